@@ -1,0 +1,144 @@
+// Scaled dot-product attention for one head: O = softmax(Q K^T * scale + mask) V.
+//
+// Tiled over query and key blocks with an online softmax (running row max and row sum), so the
+// scores of a whole head are never held: the extra memory is one [query block x key block] tile
+// plus a [query block x d] accumulator, carried by AttentionScratch. Each query block is computed
+// the same way whatever else runs, so results do not depend on how blocks are spread over threads.
+//
+// Masks: key j is hidden from a query at position p when it is padding or, if causal, when
+// j > p + causal_shift (bottom-right alignment: causal_shift = S - T, the keys that precede the
+// first query, e.g. a KV cache). A query that sees no key at all outputs zeros.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "moh/tensor.hpp"
+
+namespace moh {
+
+/// Which keys each query may see.
+struct AttentionMasking {
+  bool causal = false;
+  Index causal_shift = 0;              // S - T for bottom-right causal alignment
+  const bool* key_padding = nullptr;   // [S], true = padding; null = none
+};
+
+/// Positions of the queries handed to attention(): list[i] when given (ascending), else first + i.
+struct QueryPositions {
+  const Index* list = nullptr;
+  Index first = 0;
+  Index operator[](Index i) const { return list ? list[i] : first + i; }
+};
+
+/// Block sizes of the tiled kernel.
+constexpr Index kQueryBlock = 64;
+constexpr Index kKeyBlock = 256;
+
+/// Scratch for attention(): sized once, reused for every block (no allocation in the loop).
+template <class T>
+struct AttentionScratch {
+  Matrix<T> scores;  // [kQueryBlock, kKeyBlock]
+  Matrix<T> acc;     // [kQueryBlock, d]
+  Vector<T> row_max, row_sum, alpha, shift;
+
+  void reserve(Index d) {
+    if (scores.rows() != kQueryBlock) scores.resize(kQueryBlock, kKeyBlock);
+    if (acc.cols() != d) acc.resize(kQueryBlock, d);
+    if (row_max.size() != kQueryBlock) {
+      row_max.resize(kQueryBlock);
+      row_sum.resize(kQueryBlock);
+      alpha.resize(kQueryBlock);
+      shift.resize(kQueryBlock);
+    }
+  }
+};
+
+/// Attends n_q queries to S keys of one head of size d.
+/// q: [n_q, d] at row stride q_stride; k, v: [S, d] at their strides; out: [n_q, d] at
+/// out_stride (may not alias q). Positions order the queries for the causal mask. Not owned.
+template <class T>
+void attention(const T* q, Index q_stride, Index n_q, QueryPositions positions, const T* k,
+               Index k_stride, const T* v, Index v_stride, Index S, Index d,
+               const AttentionMasking& mask, T scale, T* out, Index out_stride,
+               AttentionScratch<T>& scratch) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  scratch.reserve(d);
+  for (Index i0 = 0; i0 < n_q; i0 += kQueryBlock) {
+    const Index nq = std::min(kQueryBlock, n_q - i0);
+    ConstStridedMap<T> Q(q + i0 * q_stride, nq, d, Eigen::OuterStride<>(q_stride));
+    StridedMap<T> O(out + i0 * out_stride, nq, d, Eigen::OuterStride<>(out_stride));
+
+    // Causal limits for this block: keys past `key_end` are hidden from every query in it;
+    // keys up to `all_see` are visible (causally) to all of them.
+    Index key_end = S, all_see = S - 1;
+    if (mask.causal) {
+      Index pmin = positions[i0], pmax = positions[i0];
+      for (Index r = 1; r < nq; ++r) {
+        pmin = std::min(pmin, positions[i0 + r]);
+        pmax = std::max(pmax, positions[i0 + r]);
+      }
+      key_end = std::clamp<Index>(pmax + mask.causal_shift + 1, 0, S);
+      all_see = pmin + mask.causal_shift;
+    }
+
+    auto acc = scratch.acc.topRows(nq);
+    auto m = scratch.row_max.head(nq);
+    auto l = scratch.row_sum.head(nq);
+    auto alpha = scratch.alpha.head(nq);
+    auto m_use = scratch.shift.head(nq);
+    acc.setZero();
+    m.setConstant(kNegInf);
+    l.setZero();
+
+    for (Index j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+      const Index nk = std::min(kKeyBlock, key_end - j0);
+      ConstStridedMap<T> K(k + j0 * k_stride, nk, d, Eigen::OuterStride<>(k_stride));
+      ConstStridedMap<T> V(v + j0 * v_stride, nk, d, Eigen::OuterStride<>(v_stride));
+      auto s = scratch.scores.topLeftCorner(nq, nk);
+      s.noalias() = (Q * K.transpose()) * scale;
+
+      const bool masked = mask.key_padding != nullptr || (mask.causal && j0 + nk - 1 > all_see);
+      if (masked) {
+        for (Index r = 0; r < nq; ++r) {
+          const Index limit = mask.causal ? positions[i0 + r] + mask.causal_shift : S;
+          for (Index c = 0; c < nk; ++c) {
+            const Index j = j0 + c;
+            if (j > limit || (mask.key_padding && mask.key_padding[j])) s(r, c) = kNegInf;
+          }
+        }
+      }
+
+      // Online softmax: rescale what was accumulated to the new row max, then add this block.
+      for (Index r = 0; r < nq; ++r) {
+        const T m_new = std::max(m[r], s.row(r).maxCoeff());
+        m_use[r] = (m_new == kNegInf) ? T(0) : m_new;
+        alpha[r] = (m[r] == kNegInf) ? T(0) : std::exp(m[r] - m_use[r]);
+        m[r] = m_new;
+      }
+      if (masked) {
+        // Vectorised exp does not return exactly 0 for -inf: zero hidden keys explicitly.
+        s = (s.array() == kNegInf)
+                .select(T(0), (s.array().colwise() - m_use.array()).exp())
+                .matrix();
+      } else {
+        s.array().colwise() -= m_use.array();
+        s = s.array().exp().matrix();
+      }
+      l = l.cwiseProduct(alpha) + s.rowwise().sum();
+      acc.array().colwise() *= alpha.array();
+      acc.noalias() += s * V;
+    }
+
+    for (Index r = 0; r < nq; ++r) {
+      if (l[r] > T(0)) {
+        O.row(r) = acc.row(r) / l[r];
+      } else {
+        O.row(r).setZero();
+      }
+    }
+  }
+}
+
+}  // namespace moh

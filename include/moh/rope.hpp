@@ -1,0 +1,75 @@
+// Rotary position embedding (RoPE), rotate-half convention as in LLaMA.
+//
+// For position m and pair j < d/2: theta_j = base^(-2j/d), c = cos(m theta_j), s = sin(m theta_j),
+//   out[j]       = in[j] c - in[j + d/2] s
+//   out[j + d/2] = in[j + d/2] c + in[j] s
+// Angles are computed in double, then rounded to T.
+#pragma once
+
+#include <cmath>
+#include <vector>
+
+#include "moh/tensor.hpp"
+
+namespace moh {
+
+/// Fills cos_out[0, d/2) and sin_out[0, d/2) for position `position`. d must be even.
+template <class T>
+void rope_angles(Index position, Index d, double base, T* cos_out, T* sin_out) {
+  const Index half = d / 2;
+  for (Index j = 0; j < half; ++j) {
+    const double theta = std::pow(base, -2.0 * static_cast<double>(j) / static_cast<double>(d));
+    const double angle = static_cast<double>(position) * theta;
+    cos_out[j] = static_cast<T>(std::cos(angle));
+    sin_out[j] = static_cast<T>(std::sin(angle));
+  }
+}
+
+/// Rotates one head vector x[0, d) in place with angles from rope_angles().
+template <class T>
+void rope_rotate(T* x, Index d, const T* cos, const T* sin) {
+  const Index half = d / 2;
+  for (Index j = 0; j < half; ++j) {
+    const T a = x[j], b = x[j + half];
+    x[j] = a * cos[j] - b * sin[j];
+    x[j + half] = b * cos[j] + a * sin[j];
+  }
+}
+
+/// Rotates `heads` head vectors of size d, `head_stride` apart, all at position `position`.
+/// `angles` is scratch of at least d values.
+template <class T>
+void rope_apply(T* x, Index heads, Index head_stride, Index d, Index position, double base,
+                T* angles) {
+  rope_angles(position, d, base, angles, angles + d / 2);
+  for (Index h = 0; h < heads; ++h) rope_rotate(x + h * head_stride, d, angles, angles + d / 2);
+}
+
+}  // namespace moh
+
+namespace moh {
+
+/// cos/sin of a run of consecutive positions [first, first + count), computed once per call and
+/// shared by every head and thread.
+template <class T>
+class RopeTable {
+ public:
+  RopeTable() = default;
+  RopeTable(Index first, Index count, Index d, double base)
+      : first_(first), d_(d), table_(static_cast<std::size_t>(count * d)) {
+    for (Index i = 0; i < count; ++i)
+      rope_angles(first + i, d, base, table_.data() + i * d, table_.data() + i * d + d / 2);
+  }
+  /// Rotates head vector x[0, d) as at position first + i.
+  void rotate(T* x, Index i) const {
+    const T* row = table_.data() + i * d_;
+    rope_rotate(x, d_, row, row + d_ / 2);
+  }
+  Index first() const { return first_; }
+
+ private:
+  Index first_ = 0, d_ = 0;
+  std::vector<T> table_;  // [count, d]: cos for j < d/2, then sin
+};
+
+}  // namespace moh

@@ -1,0 +1,49 @@
+// Numerically stable softmax and log-sum-exp over a contiguous row.
+//
+// softmax(x)_i = exp(x_i - max x) / sum_j exp(x_j - max x). Entries equal to -inf get
+// probability 0; a row that is entirely -inf (nothing visible) becomes all zeros, never NaN.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#include "moh/tensor.hpp"
+
+namespace moh {
+
+/// In place over x[0, n).
+template <class T>
+void softmax(T* x, Index n) {
+  if (n <= 0) return;
+  T max = -std::numeric_limits<T>::infinity();
+  for (Index i = 0; i < n; ++i) max = std::max(max, x[i]);
+  if (max == -std::numeric_limits<T>::infinity()) {
+    for (Index i = 0; i < n; ++i) x[i] = T(0);
+    return;
+  }
+  T sum = 0;
+  for (Index i = 0; i < n; ++i) {
+    x[i] = (x[i] == -std::numeric_limits<T>::infinity()) ? T(0) : std::exp(x[i] - max);
+    sum += x[i];
+  }
+  for (Index i = 0; i < n; ++i) x[i] /= sum;
+}
+
+/// Row-wise softmax of a row-major matrix, in place.
+template <class T>
+void softmax_rows(Eigen::Ref<Matrix<T>, 0, Eigen::OuterStride<>> m) {
+  for (Index r = 0; r < m.rows(); ++r) softmax(m.row(r).data(), m.cols());
+}
+
+/// log(sum_i exp(x_i)) over x[0, n); -inf for an empty or all -inf row.
+template <class T>
+T log_sum_exp(const T* x, Index n) {
+  T max = -std::numeric_limits<T>::infinity();
+  for (Index i = 0; i < n; ++i) max = std::max(max, x[i]);
+  if (max == -std::numeric_limits<T>::infinity()) return max;
+  T sum = 0;
+  for (Index i = 0; i < n; ++i) sum += std::exp(x[i] - max);
+  return max + std::log(sum);
+}
+
+}  // namespace moh
