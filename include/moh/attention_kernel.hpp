@@ -25,7 +25,7 @@ struct AttentionMasking {
   const bool* key_padding = nullptr;   // [S], true = padding; null = none
 };
 
-/// Positions of the queries handed to attention(): list[i] when given (ascending), else first + i.
+/// Positions of the queries handed to attention(): list[i] when given (any order), else first + i.
 struct QueryPositions {
   const Index* list = nullptr;
   Index first = 0;
@@ -41,7 +41,7 @@ template <class T>
 struct AttentionScratch {
   Matrix<T> scores;  // [kQueryBlock, kKeyBlock]
   Matrix<T> acc;     // [kQueryBlock, d]
-  Vector<T> row_max, row_sum, alpha, shift;
+  Vector<T> row_max, row_sum;
 
   void reserve(Index d) {
     if (scores.rows() != kQueryBlock) scores.resize(kQueryBlock, kKeyBlock);
@@ -49,8 +49,6 @@ struct AttentionScratch {
     if (row_max.size() != kQueryBlock) {
       row_max.resize(kQueryBlock);
       row_sum.resize(kQueryBlock);
-      alpha.resize(kQueryBlock);
-      shift.resize(kQueryBlock);
     }
   }
 };
@@ -86,8 +84,6 @@ void attention(const T* q, Index q_stride, Index n_q, QueryPositions positions, 
     auto acc = scratch.acc.topRows(nq);
     auto m = scratch.row_max.head(nq);
     auto l = scratch.row_sum.head(nq);
-    auto alpha = scratch.alpha.head(nq);
-    auto m_use = scratch.shift.head(nq);
     acc.setZero();
     m.setConstant(kNegInf);
     l.setZero();
@@ -110,24 +106,26 @@ void attention(const T* q, Index q_stride, Index n_q, QueryPositions positions, 
         }
       }
 
-      // Online softmax: rescale what was accumulated to the new row max, then add this block.
+      // Online softmax, one contiguous row at a time: rescale what was accumulated to the new
+      // row max, then add this block's weights and weighted values.
       for (Index r = 0; r < nq; ++r) {
-        const T m_new = std::max(m[r], s.row(r).maxCoeff());
-        m_use[r] = (m_new == kNegInf) ? T(0) : m_new;
-        alpha[r] = (m[r] == kNegInf) ? T(0) : std::exp(m[r] - m_use[r]);
+        auto row = s.row(r);
+        const T m_new = std::max(m[r], row.maxCoeff());
+        if (m_new == kNegInf) {  // nothing visible yet in this row
+          row.setZero();
+          continue;
+        }
+        const T alpha = (m[r] == kNegInf) ? T(0) : std::exp(m[r] - m_new);
+        if (masked) {
+          // Vectorised exp does not return exactly 0 for -inf (double): zero hidden keys.
+          row = (row.array() == kNegInf).select(T(0), (row.array() - m_new).exp()).matrix();
+        } else {
+          row = (row.array() - m_new).exp().matrix();
+        }
+        l[r] = l[r] * alpha + row.sum();
+        if (alpha != T(1)) acc.row(r) *= alpha;
         m[r] = m_new;
       }
-      if (masked) {
-        // Vectorised exp does not return exactly 0 for -inf: zero hidden keys explicitly.
-        s = (s.array() == kNegInf)
-                .select(T(0), (s.array().colwise() - m_use.array()).exp())
-                .matrix();
-      } else {
-        s.array().colwise() -= m_use.array();
-        s = s.array().exp().matrix();
-      }
-      l = l.cwiseProduct(alpha) + s.rowwise().sum();
-      acc.array().colwise() *= alpha.array();
       acc.noalias() += s * V;
     }
 

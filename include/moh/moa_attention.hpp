@@ -177,7 +177,7 @@ class MoAAttention {
       Qe.noalias() = Xg * q_experts_.middleRows(e * D, D);
     };
     auto project_out = [&](Index e, const ConstRowsRef<T>& O, RowsRef<T> P) {
-      P.noalias() = O * out_experts_.middleRows(e * d, d);
+      P.noalias() += O * out_experts_.middleRows(e * d, d);
     };
     Y.setZero();
     detail::attend_routed<T>(plan, X, kv, d, opts.causal, true, project_q, project_out,

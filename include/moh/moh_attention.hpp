@@ -206,7 +206,7 @@ class MoHAttention {
         for (Index i = 0; i < Qh.rows(); ++i) rope.rotate(Qh.row(i).data(), rows[i] % Tq);
     };
     auto project_out = [&](Index h, const ConstRowsRef<T>& O, RowsRef<T> P) {
-      proj_.project_out_head(h, O, P);
+      proj_.add_out_head(h, O, P);
     };
     const Index group = geo().group();
     proj_.init_output(Y);

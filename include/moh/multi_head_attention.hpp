@@ -84,8 +84,7 @@ class MultiHeadAttention {
     Matrix<T> KV(B * S, geo().kv_width());
     proj_.project_kv(as_rows(memory), KV, opts.pool);
     proj_.rope_rows(KV, 0, geo().Hkv, B, S, 0);
-    ForwardOptions o = opts;
-    run(x, proj_.key_values(KV, B, S, opts.key_padding_mask), opts.position_offset, o, y);
+    run(x, proj_.key_values(KV, B, S, opts.key_padding_mask), opts.position_offset, opts, y);
   }
 
   /// Incremental self-attention: x [B, T_new, D] are the next tokens after those in `cache`;

@@ -44,23 +44,61 @@ struct KeyValues {
 
 inline Index blocks_of(Index n, Index block) { return (n + block - 1) / block; }
 
+/// Per-thread scratch of the attention drivers: the kernel's tiles plus a gathered query block.
+template <class T>
+struct GatherScratch {
+  AttentionScratch<T> kernel;
+  Matrix<T> q, o;                // [rows, d]
+  std::vector<Index> positions;  // [rows]
+  void reserve(Index rows, Index d) {
+    if (q.rows() < rows || q.cols() != d) {
+      q.resize(rows, d);
+      o.resize(rows, d);
+      positions.resize(static_cast<std::size_t>(rows));
+    }
+  }
+};
+
 /// O[b*T + t, h*d : (h+1)*d] = attention of query head h of token t over kv head
-/// h / (H / H_kv). q: [B, T, H heads]; out: row-major [B*T, H*d].
+/// g = h / (H / H_kv). q: [B, T, H heads]; out: row-major [B*T, H*d].
+/// Query heads that share a kv head are attended together (their queries gathered into one
+/// block), so each key/value block is read once per group rather than once per query head.
 template <class T>
 void attend_heads(const HeadsView<T>& q, const KeyValues<T>& kv, Index batch, Index tokens,
                   Index heads, Index d, bool causal, T* out, ThreadPool* pool) {
-  const Index blocks = blocks_of(tokens, kQueryBlock);
   const Index group = heads / kv.kv_heads;
+  const Index per_block = std::max<Index>(1, kQueryBlock / group);  // tokens per query block
+  const Index blocks = blocks_of(tokens, per_block);
   const T scale = T(1) / std::sqrt(static_cast<T>(d));
-  std::vector<AttentionScratch<T>> scratch(static_cast<std::size_t>(thread_slots(pool)));
-  parallel_for(pool, batch * heads * blocks, [&](std::int64_t task, int thread) {
-    const Index blk = task % blocks, h = (task / blocks) % heads, b = task / (blocks * heads);
-    const Index i0 = blk * kQueryBlock, nq = std::min(kQueryBlock, tokens - i0), g = h / group;
-    AttentionMasking mask{causal, kv.keys - tokens, kv.padding_row(b)};
-    attention<T>(q.at(b, i0, h), q.row_stride, nq, QueryPositions{nullptr, i0}, kv.k.at(b, 0, g),
+  std::vector<GatherScratch<T>> scratch(static_cast<std::size_t>(thread_slots(pool)));
+  parallel_for(pool, batch * kv.kv_heads * blocks, [&](std::int64_t task, int thread) {
+    const Index blk = task % blocks, g = (task / blocks) % kv.kv_heads;
+    const Index b = task / (blocks * kv.kv_heads);
+    const Index t0 = blk * per_block, nt = std::min(per_block, tokens - t0);
+    const AttentionMasking mask{causal, kv.keys - tokens, kv.padding_row(b)};
+    GatherScratch<T>& s = scratch[static_cast<std::size_t>(thread)];
+    if (group == 1) {  // one head per kv head: attend in place, no gathering
+      attention<T>(q.at(b, t0, g), q.row_stride, nt, QueryPositions{nullptr, t0},
+                   kv.k.at(b, 0, g), kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys,
+                   d, mask, scale, out + (b * tokens + t0) * heads * d + g * d, heads * d,
+                   s.kernel);
+      return;
+    }
+    const Index n = nt * group;
+    s.reserve(n, d);
+    for (Index t = 0; t < nt; ++t)
+      for (Index j = 0; j < group; ++j) {
+        const Index row = t * group + j;
+        s.q.row(row) = Eigen::Map<const Vector<T>>(q.at(b, t0 + t, g * group + j), d).transpose();
+        s.positions[row] = t0 + t;
+      }
+    attention<T>(s.q.data(), d, n, QueryPositions{s.positions.data(), 0}, kv.k.at(b, 0, g),
                  kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys, d, mask, scale,
-                 out + (b * tokens + i0) * heads * d + h * d, heads * d,
-                 scratch[static_cast<std::size_t>(thread)]);
+                 s.o.data(), d, s.kernel);
+    for (Index t = 0; t < nt; ++t)
+      for (Index j = 0; j < group; ++j)
+        Eigen::Map<Vector<T>>(out + (b * tokens + t0 + t) * heads * d + (g * group + j) * d, d) =
+            s.o.row(t * group + j).transpose();
   });
 }
 
@@ -113,15 +151,17 @@ constexpr Index kRoutedRowTile = 128;  // rows per projection task of the routed
 /// Runs the routed heads of `plan`:
 ///   Q[i]  = project_q(h, X rows of head h)                 (only the picked pairs)
 ///   O[i]  = gate[i] * attention(Q[i], keys/values of head h)
-///   Y[r] += project_out(h, O rows of head h)               (summed over heads in order)
+///   Y[r] += O rows of head h projected by project_out      (summed over heads in order)
 /// project_q(h, row indices [n], gathered X rows [n, D] (empty unless gather_x), Q out [n, d]) and
-/// project_out(h, O [n, d], P out [n, D]) are the layer's per-head GEMMs. kv_head(h) picks the
+/// project_out(h, O [n, d], P [n, D]) (adds O's projection into P) are the layer's per-head
+/// GEMMs. kv_head(h) picks the
 /// key/value head. Y must already hold the bias (or zeros). X: [B*T, D] rows.
 template <class T, class ProjectQ, class ProjectOut, class KvHead>
 void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyValues<T>& kv,
                    Index d, bool causal, bool gather_x, ProjectQ project_q, ProjectOut project_out,
                    KvHead kv_head, RowsRef<T> Y, ThreadPool* pool) {
   const Index pairs = plan.pairs(), D_in = X.cols(), D_out = Y.cols();
+  const Index n_rows = plan.batch * plan.tokens;
   const int slots = thread_slots(pool);
   Matrix<T> Q(pairs, d), O(pairs, d);
 
@@ -136,6 +176,12 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
   parallel_for(pool, static_cast<Index>(tile_head.size()), [&](std::int64_t task, int thread) {
     const Index h = tile_head[task], i0 = tile_start[task];
     const Index n = std::min(kRoutedRowTile, plan.offsets[h + 1] - i0);
+    if (gather_x && plan.offsets[h + 1] - plan.offsets[h] == n_rows) {
+      // Every token uses this head (a shared head): its rows are X's rows, no gathering.
+      project_q(h, plan.rows.data() + i0, X.middleRows(i0 - plan.offsets[h], n),
+                Q.middleRows(i0, n));
+      return;
+    }
     Matrix<T>& g = gathered[static_cast<std::size_t>(thread)];
     const Index width = gather_x ? D_in : 0;
     if (g.rows() != kRoutedRowTile || g.cols() != width) g.resize(kRoutedRowTile, width);
@@ -144,33 +190,60 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
     project_q(h, plan.rows.data() + i0, g.topRows(n), Q.middleRows(i0, n));
   });
 
-  // 2. Attention of each head's queries, per sequence and query block. A head's rows are sorted,
-  //    so the rows of one sequence are one contiguous run.
-  std::vector<Index> att_head, att_start, att_count;
-  for (Index h = 0; h < plan.heads; ++h)
+  // 2. Attention, per kv head, sequence and block of queries: the picked pairs of every query
+  //    head that reads kv head g are gathered into one block, so each key/value block is read
+  //    once per block of queries, and a kv head that no picked pair reads is never touched.
+  //    Within a head the rows of one sequence are one contiguous run (rows are sorted).
+  std::vector<Index> order;                    // pair indices, grouped by (kv head, sequence)
+  std::vector<Index> att_first, att_count;     // tasks: ranges of `order`
+  std::vector<Index> att_batch, att_kv;
+  order.reserve(static_cast<std::size_t>(pairs));
+  std::vector<Index> kv_of_head(static_cast<std::size_t>(plan.heads));
+  Index kv_heads_used = 0;
+  for (Index h = 0; h < plan.heads; ++h) {
+    kv_of_head[h] = kv_head(h);
+    kv_heads_used = std::max(kv_heads_used, kv_of_head[h] + 1);
+  }
+  for (Index g = 0; g < kv_heads_used; ++g)
     for (Index b = 0; b < plan.batch; ++b) {
-      const auto [lo, hi] = plan.range(h, b * plan.tokens, (b + 1) * plan.tokens);
-      for (Index i = lo; i < hi; i += kQueryBlock) {
-        att_head.push_back(h);
-        att_start.push_back(i);
-        att_count.push_back(std::min(kQueryBlock, hi - i));
+      const Index first = static_cast<Index>(order.size());
+      for (Index h = 0; h < plan.heads; ++h) {
+        if (kv_of_head[h] != g) continue;
+        const auto [lo, hi] = plan.range(h, b * plan.tokens, (b + 1) * plan.tokens);
+        for (Index i = lo; i < hi; ++i) order.push_back(i);
+      }
+      const Index last = static_cast<Index>(order.size());
+      for (Index i = first; i < last; i += kQueryBlock) {
+        att_first.push_back(i);
+        att_count.push_back(std::min(kQueryBlock, last - i));
+        att_batch.push_back(b);
+        att_kv.push_back(g);
       }
     }
   const T scale = T(1) / std::sqrt(static_cast<T>(d));
-  std::vector<AttentionScratch<T>> scratch(static_cast<std::size_t>(slots));
-  parallel_for(pool, static_cast<Index>(att_head.size()), [&](std::int64_t task, int thread) {
-    const Index h = att_head[task], i0 = att_start[task], n = att_count[task];
-    const Index b = plan.rows[i0] / plan.tokens, g = kv_head(h);
-    AttentionMasking mask{causal, kv.keys - plan.tokens, kv.padding_row(b)};
-    attention<T>(Q.row(i0).data(), d, n, QueryPositions{plan.positions.data() + i0, 0},
-                 kv.k.at(b, 0, g), kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys,
-                 d, mask, scale, O.row(i0).data(), d, scratch[static_cast<std::size_t>(thread)]);
-    for (Index i = i0; i < i0 + n; ++i) O.row(i) *= plan.gates[i];
+  std::vector<GatherScratch<T>> scratch(static_cast<std::size_t>(slots));
+  parallel_for(pool, static_cast<Index>(att_first.size()), [&](std::int64_t task, int thread) {
+    const Index first = att_first[task], n = att_count[task];
+    const Index b = att_batch[task], g = att_kv[task];
+    GatherScratch<T>& s = scratch[static_cast<std::size_t>(thread)];
+    s.reserve(n, d);
+    for (Index r = 0; r < n; ++r) {
+      const Index i = order[first + r];
+      s.q.row(r) = Q.row(i);
+      s.positions[r] = plan.positions[i];
+    }
+    const AttentionMasking mask{causal, kv.keys - plan.tokens, kv.padding_row(b)};
+    attention<T>(s.q.data(), d, n, QueryPositions{s.positions.data(), 0}, kv.k.at(b, 0, g),
+                 kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys, d, mask, scale,
+                 s.o.data(), d, s.kernel);
+    for (Index r = 0; r < n; ++r) {
+      const Index i = order[first + r];
+      O.row(i) = s.o.row(r) * plan.gates[i];
+    }
   });
 
   // 3. Output projection per tile of token rows; heads are added in index order, so the sum
   //    is the same whatever thread runs the tile.
-  const Index n_rows = plan.batch * plan.tokens;
   std::vector<Matrix<T>> partial(static_cast<std::size_t>(slots));
   parallel_for(pool, blocks_of(n_rows, kRoutedRowTile), [&](std::int64_t task, int thread) {
     const Index r0 = task * kRoutedRowTile, r1 = std::min(n_rows, r0 + kRoutedRowTile);
@@ -179,6 +252,11 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
     for (Index h = 0; h < plan.heads; ++h) {
       const auto [lo, hi] = plan.range(h, r0, r1);
       if (hi == lo) continue;
+      if (plan.rows[hi - 1] - plan.rows[lo] == hi - lo - 1) {  // consecutive rows: add in place
+        project_out(h, O.middleRows(lo, hi - lo), Y.middleRows(plan.rows[lo], hi - lo));
+        continue;
+      }
+      p.topRows(hi - lo).setZero();
       project_out(h, O.middleRows(lo, hi - lo), p.topRows(hi - lo));
       for (Index i = lo; i < hi; ++i) Y.row(plan.rows[i]) += p.row(i - lo);
     }

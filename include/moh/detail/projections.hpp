@@ -168,9 +168,9 @@ class Projections {
   void project_out(const ConstRowsRef<T>& C, RowsRef<T> Y, ThreadPool* pool) const {
     linear<T>(C, out_w_, out_b_.size() ? out_b_.data() : nullptr, Y, pool);
   }
-  /// P[n, D] = O_h[n, d] Wo[:, h d : (h+1) d]^T (no bias).
-  void project_out_head(Index h, const ConstRowsRef<T>& O, RowsRef<T> P) const {
-    P.noalias() = O * out_w_.middleCols(h * g_.d, g_.d).transpose();
+  /// P[n, D] += O_h[n, d] Wo[:, h d : (h+1) d]^T (no bias).
+  void add_out_head(Index h, const ConstRowsRef<T>& O, RowsRef<T> P) const {
+    P.noalias() += O * out_w_.middleCols(h * g_.d, g_.d).transpose();
   }
   /// Y rows = output bias (or zero), before routed heads are added.
   void init_output(RowsRef<T> Y) const {
