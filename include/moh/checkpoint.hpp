@@ -46,6 +46,10 @@ void load_projections(Layer& layer, const SafeTensors& st, const std::string& pr
                       const Geometry& g, const std::string& fused_in, const std::string& in_bias,
                       const std::string& out, const std::string& out_bias) {
   const bool llama = !st.contains(prefix + fused_in) && st.contains(prefix + "q_proj.weight");
+  if (!llama && !st.contains(prefix + fused_in))
+    fail("tensor '", prefix, fused_in, "' (fused) or '", prefix,
+         "q_proj.weight' (LLaMA-style q/k/v/o_proj) missing in ", st.source(),
+         ": expected one of the two layouts");
   if (llama) {
     layer.set_in_weight_(stacked_qkv<T>(st, prefix, g));
     if (g.bias) layer.set_in_bias_(stacked_qkv_bias<T>(st, prefix, g));

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -82,8 +83,11 @@ CaseCheck compare(const SafeTensors& st, const std::string& name, const T* compu
   double scale = 1.0;
   for (std::size_t i = 0; i < count; ++i) {
     const double got = static_cast<double>(computed[i]);
-    scale = std::max(scale, std::abs(expected[i]));
-    const double err = std::isfinite(got) ? std::abs(got - expected[i]) : INFINITY;
+    if (std::isfinite(expected[i])) scale = std::max(scale, std::abs(expected[i]));
+    // A NaN or infinity on either side is a failure, never a silently ignored comparison.
+    const double err = std::isfinite(got) && std::isfinite(expected[i])
+                           ? std::abs(got - expected[i])
+                           : std::numeric_limits<double>::infinity();
     c.max_error = std::max(c.max_error, err);
     if (exact_zeros && expected[i] == 0.0 && got != 0.0) c.zeros_exact = false;
   }

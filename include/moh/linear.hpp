@@ -28,24 +28,27 @@ void linear(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, const T* bias, R
 }
 
 namespace detail {
-// Tile of the parallel projection: large enough that each GEMM runs near full speed, small
-// enough that a 2-core machine gets work for both cores on a ViT-sized input.
-constexpr Index kLinearRowTile = 128;
-constexpr Index kLinearColTile = 256;
+// Tiles of the parallel projection: at most 4 x 4 per GEMM so that each tile runs near full GEMM
+// speed, at least 128 rows x 256 columns, and never fewer than one tile per core on a ViT-sized
+// input. The grid depends on the shape only, never on the thread count.
+inline Index linear_tile(Index n, Index minimum, Index align) {
+  const Index quarter = (n + 3) / 4;
+  return std::max(minimum, (quarter + align - 1) / align * align);
+}
 }  // namespace detail
 
 /// Same as linear(), split over fixed tiles of Y and run on `pool` (null: this thread).
 template <class T>
 void linear(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, const T* bias, RowsRef<T> Y,
             ThreadPool* pool) {
-  using detail::kLinearColTile;
-  using detail::kLinearRowTile;
   const Index rows = X.rows(), cols = W.rows();
-  const Index row_tiles = (rows + kLinearRowTile - 1) / kLinearRowTile;
-  const Index col_tiles = (cols + kLinearColTile - 1) / kLinearColTile;
+  const Index row_tile = detail::linear_tile(rows, 128, 16);
+  const Index col_tile = detail::linear_tile(cols, 256, 64);
+  const Index row_tiles = (rows + row_tile - 1) / row_tile;
+  const Index col_tiles = (cols + col_tile - 1) / col_tile;
   parallel_for(pool, row_tiles * col_tiles, [&](std::int64_t task, int) {
-    const Index r0 = (task / col_tiles) * kLinearRowTile, c0 = (task % col_tiles) * kLinearColTile;
-    const Index nr = std::min(kLinearRowTile, rows - r0), nc = std::min(kLinearColTile, cols - c0);
+    const Index r0 = (task / col_tiles) * row_tile, c0 = (task % col_tiles) * col_tile;
+    const Index nr = std::min(row_tile, rows - r0), nc = std::min(col_tile, cols - c0);
     linear<T>(X.middleRows(r0, nr), W.middleRows(c0, nc), bias ? bias + c0 : nullptr,
               Y.block(r0, c0, nr, nc));
   });

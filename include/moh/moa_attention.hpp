@@ -87,7 +87,7 @@ class MoAAttention {
   void forward(const ConstTensorMap3<T>& x, TensorMap3<T> y, const ForwardOptions& opts = {},
                MoARouting<T>* routing = nullptr) const {
     check_io(x, y);
-    const Matrix<T> KV = project_kv(x, opts.pool);
+    const MatrixMap<T> KV = project_kv(x, opts.pool);
     run(x, detail::key_values<T>(KV, 1, config_.head_dim, x.dimension(0), x.dimension(1),
                                  opts.key_padding_mask, kName),
         opts, y, routing);
@@ -99,7 +99,7 @@ class MoAAttention {
                      MoARouting<T>* routing = nullptr) const {
     check_io(x, y);
     require_shape3("MoAAttention: memory", memory, x.dimension(0), -1, config_.embed_dim);
-    const Matrix<T> KV = project_kv(memory, opts.pool);
+    const MatrixMap<T> KV = project_kv(memory, opts.pool);
     run(x, detail::key_values<T>(KV, 1, config_.head_dim, memory.dimension(0),
                                  memory.dimension(1), opts.key_padding_mask, kName),
         opts, y, routing);
@@ -110,7 +110,7 @@ class MoAAttention {
                       const ForwardOptions& opts = {}, MoARouting<T>* routing = nullptr) const {
     check_io(x, y);
     cache.check(x.dimension(0), 1, config_.head_dim, x.dimension(1), kName);
-    const Matrix<T> KV = project_kv(x, opts.pool);
+    const MatrixMap<T> KV = project_kv(x, opts.pool);
     run(x, detail::append_to_cache<T>(KV, 1, config_.head_dim, x.dimension(0), x.dimension(1),
                                       opts.key_padding_mask, cache, kName),
         opts, y, routing);
@@ -139,8 +139,10 @@ class MoAAttention {
     require_shape3("MoAAttention: y", y, x.dimension(0), x.dimension(1), config_.embed_dim);
   }
   // [B*S, 2d]: key head, then value head.
-  Matrix<T> project_kv(const ConstTensorMap3<T>& src, ThreadPool* pool) const {
-    Matrix<T> KV(src.dimension(0) * src.dimension(1), 2 * config_.head_dim);
+  MatrixMap<T> project_kv(const ConstTensorMap3<T>& src, ThreadPool* pool) const {
+    MatrixMap<T> KV = detail::scratch_matrix<T>(detail::ScratchSlot::KeysValues,
+                                                src.dimension(0) * src.dimension(1),
+                                                2 * config_.head_dim);
     linear<T>(as_rows(src), kv_, nullptr, KV, pool);
     return KV;
   }
@@ -159,7 +161,8 @@ class MoAAttention {
 
     if (opts.mode == ComputeMode::Dense) {
       // Reference: every expert for every token, each output scaled by its gate.
-      Matrix<T> Q(N, E * d), C(N, E * d);
+      MatrixMap<T> Q = detail::scratch_matrix<T>(detail::ScratchSlot::Queries, N, E * d);
+      MatrixMap<T> C = detail::scratch_matrix<T>(detail::ScratchSlot::Context, N, E * d);
       for (Index e = 0; e < E; ++e)
         Q.middleCols(e * d, d).noalias() = X * q_experts_.middleRows(e * D, D);
       detail::attend_heads<T>(detail::HeadsView<T>{Q.data(), E * d, Tq * E * d, d}, kv, B, Tq, E,

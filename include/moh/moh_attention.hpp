@@ -108,9 +108,7 @@ class MoHAttention {
                MoHRouting<T>* routing = nullptr) const {
     const Index B = x.dimension(0), Tq = x.dimension(1);
     check_io(x, y);
-    Matrix<T> KV(B * Tq, geo().kv_width());
-    proj_.project_kv(as_rows(x), KV, opts.pool);
-    proj_.rope_rows(KV, 0, geo().Hkv, B, Tq, opts.position_offset);
+    const MatrixMap<T> KV = proj_.keys_values_of(x, opts.position_offset, opts.pool);
     run(x, proj_.key_values(KV, B, Tq, opts.key_padding_mask), opts.position_offset, opts, y,
         routing);
   }
@@ -121,9 +119,7 @@ class MoHAttention {
     const Index B = x.dimension(0), Tq = x.dimension(1), start = cache.length();
     check_io(x, y);
     cache.check(B, geo().Hkv, geo().d, Tq, kName);
-    Matrix<T> KV(B * Tq, geo().kv_width());
-    proj_.project_kv(as_rows(x), KV, opts.pool);
-    proj_.rope_rows(KV, 0, geo().Hkv, B, Tq, start);
+    const MatrixMap<T> KV = proj_.keys_values_of(x, start, opts.pool);
     run(x, proj_.append(KV, B, Tq, opts.key_padding_mask, cache), start, opts, y, routing);
   }
 
@@ -169,11 +165,10 @@ class MoHAttention {
     const bool query_norm = config_.router == MoHRouter::QueryNorm;
     const bool dense = opts.mode == ComputeMode::Dense ||
                        config_.shared_heads + config_.active_routed_heads == H;
-    Matrix<T> Q;  // [B*T, H d], only when every query is needed
-    if (query_norm || dense) {
-      Q.resize(B * Tq, geo().q_width());
-      proj_.project_q(X, Q, opts.pool);
-    }
+    // [B*T, H d]: every query, only when the router or the dense path needs them all.
+    const Index q_rows = (query_norm || dense) ? B * Tq : 0;
+    MatrixMap<T> Q = detail::scratch_matrix<T>(detail::ScratchSlot::Queries, q_rows, geo().q_width());
+    if (q_rows) proj_.project_q(X, Q, opts.pool);
     if (query_norm)
       route_by_query_norm<T>(Q, B, Tq, H, d, config_.shared_heads,
                              config_.active_routed_heads, r);
@@ -183,7 +178,7 @@ class MoHAttention {
     if (dense) {
       // Reference: every head, then each head's output scaled by its gate.
       proj_.rope_rows(Q, 0, H, B, Tq, first);
-      Matrix<T> C(B * Tq, geo().q_width());
+      MatrixMap<T> C = detail::scratch_matrix<T>(detail::ScratchSlot::Context, B * Tq, geo().q_width());
       detail::attend_heads<T>(detail::HeadsView<T>{Q.data(), Q.cols(), Tq * Q.cols(), d}, kv, B,
                               Tq, H, d, opts.causal, C.data(), opts.pool);
       for (Index i = 0; i < C.rows(); ++i)

@@ -69,9 +69,7 @@ class MultiHeadAttention {
   void forward(const ConstTensorMap3<T>& x, TensorMap3<T> y, const ForwardOptions& opts = {}) const {
     const Index B = x.dimension(0), Tq = x.dimension(1);
     check_io(x, y);
-    Matrix<T> KV(B * Tq, geo().kv_width());
-    proj_.project_kv(as_rows(x), KV, opts.pool);
-    proj_.rope_rows(KV, 0, geo().Hkv, B, Tq, opts.position_offset);
+    const MatrixMap<T> KV = proj_.keys_values_of(x, opts.position_offset, opts.pool);
     run(x, proj_.key_values(KV, B, Tq, opts.key_padding_mask), opts.position_offset, opts, y);
   }
 
@@ -81,9 +79,7 @@ class MultiHeadAttention {
     const Index B = x.dimension(0), S = memory.dimension(1);
     check_io(x, y);
     require_shape3("MultiHeadAttention: memory", memory, B, -1, geo().D);
-    Matrix<T> KV(B * S, geo().kv_width());
-    proj_.project_kv(as_rows(memory), KV, opts.pool);
-    proj_.rope_rows(KV, 0, geo().Hkv, B, S, 0);
+    const MatrixMap<T> KV = proj_.keys_values_of(memory, 0, opts.pool);
     run(x, proj_.key_values(KV, B, S, opts.key_padding_mask), opts.position_offset, opts, y);
   }
 
@@ -95,9 +91,7 @@ class MultiHeadAttention {
     const Index B = x.dimension(0), Tq = x.dimension(1), start = cache.length();
     check_io(x, y);
     cache.check(B, geo().Hkv, geo().d, Tq, kName);
-    Matrix<T> KV(B * Tq, geo().kv_width());
-    proj_.project_kv(as_rows(x), KV, opts.pool);
-    proj_.rope_rows(KV, 0, geo().Hkv, B, Tq, start);
+    const MatrixMap<T> KV = proj_.keys_values_of(x, start, opts.pool);
     run(x, proj_.append(KV, B, Tq, opts.key_padding_mask, cache), start, opts, y);
   }
 
@@ -126,7 +120,8 @@ class MultiHeadAttention {
   void run(const ConstTensorMap3<T>& x, const detail::KeyValues<T>& kv, Index first_position,
            const ForwardOptions& opts, TensorMap3<T>& y) const {
     const Index B = x.dimension(0), Tq = x.dimension(1), w = geo().q_width();
-    Matrix<T> Q(B * Tq, w), C(B * Tq, w);
+    MatrixMap<T> Q = detail::scratch_matrix<T>(detail::ScratchSlot::Queries, B * Tq, w);
+    MatrixMap<T> C = detail::scratch_matrix<T>(detail::ScratchSlot::Context, B * Tq, w);
     proj_.project_q(as_rows(x), Q, opts.pool);
     proj_.rope_rows(Q, 0, geo().H, B, Tq, first_position);
     detail::attend_heads<T>(detail::HeadsView<T>{Q.data(), w, Tq * w, geo().d}, kv, B, Tq,

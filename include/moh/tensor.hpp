@@ -48,6 +48,28 @@ template <class T>
 MatrixMap<T> as_rows(TensorMap3<T>& t) {
   return MatrixMap<T>(t.data(), t.dimension(0) * t.dimension(1), t.dimension(2));
 }
+template <class T>
+ConstMatrixMap<T> as_rows(const Tensor3<T>& t) {
+  return ConstMatrixMap<T>(t.data(), t.dimension(0) * t.dimension(1), t.dimension(2));
+}
+template <class T>
+MatrixMap<T> as_rows(Tensor3<T>& t) {
+  return MatrixMap<T>(t.data(), t.dimension(0) * t.dimension(1), t.dimension(2));
+}
+
+/// Views a row-major [batch*tokens, F] matrix as a [batch, tokens, F] tensor without copying.
+template <class T>
+ConstTensorMap3<T> as_tensor(const Matrix<T>& m, Index batch, Index tokens) {
+  detail::require(batch * tokens == m.rows(), "as_tensor: batch * tokens must equal the rows: "
+                  "expected ", m.rows(), ", got ", batch, " * ", tokens);
+  return ConstTensorMap3<T>(m.data(), batch, tokens, m.cols());
+}
+template <class T>
+TensorMap3<T> as_tensor(Matrix<T>& m, Index batch, Index tokens) {
+  detail::require(batch * tokens == m.rows(), "as_tensor: batch * tokens must equal the rows: "
+                  "expected ", m.rows(), ", got ", batch, " * ", tokens);
+  return TensorMap3<T>(m.data(), batch, tokens, m.cols());
+}
 
 /// Throws moh::Error naming `what` unless `t` is [batch, tokens, features] (-1 = any).
 template <class TensorLike>

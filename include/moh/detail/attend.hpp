@@ -12,6 +12,7 @@
 
 #include "moh/attention_kernel.hpp"
 #include "moh/linear.hpp"
+#include "moh/scratch.hpp"
 #include "moh/tensor.hpp"
 #include "moh/thread_pool.hpp"
 
@@ -45,6 +46,7 @@ struct KeyValues {
 inline Index blocks_of(Index n, Index block) { return (n + block - 1) / block; }
 
 /// Per-thread scratch of the attention drivers: the kernel's tiles plus a gathered query block.
+/// Kept per thread between calls (see scratch.hpp), so the loops below never allocate once warm.
 template <class T>
 struct GatherScratch {
   AttentionScratch<T> kernel;
@@ -52,12 +54,18 @@ struct GatherScratch {
   std::vector<Index> positions;  // [rows]
   void reserve(Index rows, Index d) {
     if (q.rows() < rows || q.cols() != d) {
-      q.resize(rows, d);
-      o.resize(rows, d);
-      positions.resize(static_cast<std::size_t>(rows));
+      q.resize(std::max(rows, kQueryBlock), d);
+      o.resize(q.rows(), d);
+      positions.resize(static_cast<std::size_t>(q.rows()));
     }
   }
 };
+
+template <class T>
+GatherScratch<T>& thread_gather_scratch() {
+  thread_local GatherScratch<T> scratch;
+  return scratch;
+}
 
 /// O[b*T + t, h*d : (h+1)*d] = attention of query head h of token t over kv head
 /// g = h / (H / H_kv). q: [B, T, H heads]; out: row-major [B*T, H*d].
@@ -70,13 +78,12 @@ void attend_heads(const HeadsView<T>& q, const KeyValues<T>& kv, Index batch, In
   const Index per_block = std::max<Index>(1, kQueryBlock / group);  // tokens per query block
   const Index blocks = blocks_of(tokens, per_block);
   const T scale = T(1) / std::sqrt(static_cast<T>(d));
-  std::vector<GatherScratch<T>> scratch(static_cast<std::size_t>(thread_slots(pool)));
-  parallel_for(pool, batch * kv.kv_heads * blocks, [&](std::int64_t task, int thread) {
+  parallel_for(pool, batch * kv.kv_heads * blocks, [&](std::int64_t task, int) {
     const Index blk = task % blocks, g = (task / blocks) % kv.kv_heads;
     const Index b = task / (blocks * kv.kv_heads);
     const Index t0 = blk * per_block, nt = std::min(per_block, tokens - t0);
     const AttentionMasking mask{causal, kv.keys - tokens, kv.padding_row(b)};
-    GatherScratch<T>& s = scratch[static_cast<std::size_t>(thread)];
+    GatherScratch<T>& s = thread_gather_scratch<T>();
     if (group == 1) {  // one head per kv head: attend in place, no gathering
       attention<T>(q.at(b, t0, g), q.row_stride, nt, QueryPositions{nullptr, t0},
                    kv.k.at(b, 0, g), kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys,
@@ -162,8 +169,8 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
                    KvHead kv_head, RowsRef<T> Y, ThreadPool* pool) {
   const Index pairs = plan.pairs(), D_in = X.cols(), D_out = Y.cols();
   const Index n_rows = plan.batch * plan.tokens;
-  const int slots = thread_slots(pool);
-  Matrix<T> Q(pairs, d), O(pairs, d);
+  MatrixMap<T> Q = scratch_matrix<T>(ScratchSlot::RoutedQueries, pairs, d);
+  MatrixMap<T> O = scratch_matrix<T>(ScratchSlot::RoutedOutputs, pairs, d);
 
   // 1. Queries of the picked pairs, per head, in fixed tiles of that head's rows.
   std::vector<Index> tile_head, tile_start;
@@ -172,8 +179,7 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
       tile_head.push_back(h);
       tile_start.push_back(i);
     }
-  std::vector<Matrix<T>> gathered(static_cast<std::size_t>(slots));
-  parallel_for(pool, static_cast<Index>(tile_head.size()), [&](std::int64_t task, int thread) {
+  parallel_for(pool, static_cast<Index>(tile_head.size()), [&](std::int64_t task, int) {
     const Index h = tile_head[task], i0 = tile_start[task];
     const Index n = std::min(kRoutedRowTile, plan.offsets[h + 1] - i0);
     if (gather_x && plan.offsets[h + 1] - plan.offsets[h] == n_rows) {
@@ -182,12 +188,10 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
                 Q.middleRows(i0, n));
       return;
     }
-    Matrix<T>& g = gathered[static_cast<std::size_t>(thread)];
-    const Index width = gather_x ? D_in : 0;
-    if (g.rows() != kRoutedRowTile || g.cols() != width) g.resize(kRoutedRowTile, width);
+    MatrixMap<T> g = scratch_matrix<T>(ScratchSlot::GatherRows, n, gather_x ? D_in : 0);
     if (gather_x)
       for (Index i = 0; i < n; ++i) g.row(i) = X.row(plan.rows[i0 + i]);
-    project_q(h, plan.rows.data() + i0, g.topRows(n), Q.middleRows(i0, n));
+    project_q(h, plan.rows.data() + i0, g, Q.middleRows(i0, n));
   });
 
   // 2. Attention, per kv head, sequence and block of queries: the picked pairs of every query
@@ -221,11 +225,10 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
       }
     }
   const T scale = T(1) / std::sqrt(static_cast<T>(d));
-  std::vector<GatherScratch<T>> scratch(static_cast<std::size_t>(slots));
-  parallel_for(pool, static_cast<Index>(att_first.size()), [&](std::int64_t task, int thread) {
+  parallel_for(pool, static_cast<Index>(att_first.size()), [&](std::int64_t task, int) {
     const Index first = att_first[task], n = att_count[task];
     const Index b = att_batch[task], g = att_kv[task];
-    GatherScratch<T>& s = scratch[static_cast<std::size_t>(thread)];
+    GatherScratch<T>& s = thread_gather_scratch<T>();
     s.reserve(n, d);
     for (Index r = 0; r < n; ++r) {
       const Index i = order[first + r];
@@ -244,11 +247,9 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
 
   // 3. Output projection per tile of token rows; heads are added in index order, so the sum
   //    is the same whatever thread runs the tile.
-  std::vector<Matrix<T>> partial(static_cast<std::size_t>(slots));
-  parallel_for(pool, blocks_of(n_rows, kRoutedRowTile), [&](std::int64_t task, int thread) {
+  parallel_for(pool, blocks_of(n_rows, kRoutedRowTile), [&](std::int64_t task, int) {
     const Index r0 = task * kRoutedRowTile, r1 = std::min(n_rows, r0 + kRoutedRowTile);
-    Matrix<T>& p = partial[static_cast<std::size_t>(thread)];
-    if (p.rows() != kRoutedRowTile || p.cols() != D_out) p.resize(kRoutedRowTile, D_out);
+    MatrixMap<T> p = scratch_matrix<T>(ScratchSlot::PartialOutput, r1 - r0, D_out);
     for (Index h = 0; h < plan.heads; ++h) {
       const auto [lo, hi] = plan.range(h, r0, r1);
       if (hi == lo) continue;

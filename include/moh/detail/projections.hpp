@@ -13,6 +13,7 @@
 #include "moh/linear.hpp"
 #include "moh/options.hpp"
 #include "moh/rope.hpp"
+#include "moh/scratch.hpp"
 
 namespace moh {
 namespace detail {
@@ -62,7 +63,7 @@ Geometry make_geometry(const Config& c, const char* layer) {
 /// Keys/values of a call without cache. KV: [B*S, 2 H_kv d] rows, key heads then value heads
 /// (keys RoPE'd already); padding [B, S] or none.
 template <class T>
-KeyValues<T> key_values(const Matrix<T>& KV, Index kv_heads, Index d, Index batch, Index keys,
+KeyValues<T> key_values(const ConstRowsRef<T>& KV, Index kv_heads, Index d, Index batch, Index keys,
                         const std::optional<MaskMap>& padding, const char* layer) {
   check_padding(padding, batch, keys, layer);
   KeyValues<T> kv;
@@ -97,7 +98,7 @@ KeyValues<T> cache_view(const KvCache<T>& cache) {
 /// Appends the new tokens' keys/values (KV as in key_values(), [B*T, 2 H_kv d]) and their
 /// padding flags ([B, T] or none) to `cache`, and returns the whole cache to attend to.
 template <class T>
-KeyValues<T> append_to_cache(const Matrix<T>& KV, Index kv_heads, Index d, Index batch,
+KeyValues<T> append_to_cache(const ConstRowsRef<T>& KV, Index kv_heads, Index d, Index batch,
                              Index tokens, const std::optional<MaskMap>& padding,
                              KvCache<T>& cache, const char* layer) {
   cache.check(batch, kv_heads, d, tokens, layer);
@@ -156,6 +157,15 @@ class Projections {
   void project_q(const ConstRowsRef<T>& X, RowsRef<T> Q, ThreadPool* pool) const {
     linear<T>(X, in_w_.topRows(g_.q_width()), bias(0), Q, pool);
   }
+  /// Keys/values of the rows of `src` ([B, S, D]) in thread scratch, RoPE'd from `first`.
+  MatrixMap<T> keys_values_of(const ConstTensorMap3<T>& src, Index first, ThreadPool* pool) const {
+    const Index B = src.dimension(0), S = src.dimension(1);
+    MatrixMap<T> KV = scratch_matrix<T>(ScratchSlot::KeysValues, B * S, g_.kv_width());
+    project_kv(as_rows(src), KV, pool);
+    rope_rows(KV, 0, g_.Hkv, B, S, first);
+    return KV;
+  }
+
   /// KV[N, 2 H_kv d] = X[N, D] [Wk; Wv]^T + [bk; bv]: key heads, then value heads.
   void project_kv(const ConstRowsRef<T>& X, RowsRef<T> KV, ThreadPool* pool) const {
     linear<T>(X, in_w_.bottomRows(g_.kv_width()), bias(g_.q_width()), KV, pool);
@@ -195,11 +205,11 @@ class Projections {
     return g_.rope ? RopeTable<T>(first, tokens, g_.d, g_.rope_base) : RopeTable<T>();
   }
 
-  KeyValues<T> key_values(const Matrix<T>& KV, Index batch, Index keys,
+  KeyValues<T> key_values(const ConstRowsRef<T>& KV, Index batch, Index keys,
                           const std::optional<MaskMap>& padding) const {
     return detail::key_values<T>(KV, g_.Hkv, g_.d, batch, keys, padding, layer_);
   }
-  KeyValues<T> append(const Matrix<T>& KV, Index batch, Index tokens,
+  KeyValues<T> append(const ConstRowsRef<T>& KV, Index batch, Index tokens,
                       const std::optional<MaskMap>& padding, KvCache<T>& cache) const {
     return detail::append_to_cache<T>(KV, g_.Hkv, g_.d, batch, tokens, padding, cache, layer_);
   }
