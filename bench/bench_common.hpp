@@ -1,0 +1,155 @@
+// Shared pieces of the moh benchmarks: shapes, the MoH shared/routed split rule, FLOP and byte
+// models, random inputs and the counters every layer benchmark reports.
+//
+// Names and argument names are fixed (bench/report.py and results of older versions rely on
+// them): BM_<Layer>_<Prefill|Decode>/<name>:<value>/... as STYLE.md point 8 asks.
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moh/moh.hpp"
+
+namespace moh_bench {
+
+using moh::Index;
+
+/// Fills `n` floats at `p` with uniform values in [-1, 1) from a fixed seed.
+inline void fill_uniform(float* p, Index n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (Index i = 0; i < n; ++i) p[i] = dist(rng);
+}
+
+/// A [B, T, D] activation filled with seeded random values.
+inline moh::Tensor3<float> random_activation(Index B, Index T, Index D, std::uint64_t seed) {
+  moh::Tensor3<float> x(B, T, D);
+  fill_uniform(x.data(), x.size(), seed);
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoH head split.
+//
+// active heads  A = round(P * H / 100), the nearest whole head count (H=8: 90% -> 7; H=12: 90% ->
+//               11; H=16: 90% -> 14), at least 1;
+// shared heads  S = max(1, H/8) for P = 25 (a quarter of the heads cannot also hold H/4 shared
+//               heads plus routed ones), otherwise S = H/4;
+// routed K      K = A - S, chosen per token by the learned router (random seeded weights), or by
+//               the query-norm router for the LLaMA3 decode shape.
+// The active ratio (S + K) / H is exact and reported as the `active_ratio` counter.
+// ---------------------------------------------------------------------------------------------
+struct HeadSplit {
+  Index shared = 0, routed_k = 0, heads = 0;
+  Index active() const { return shared + routed_k; }
+  double ratio() const { return static_cast<double>(active()) / static_cast<double>(heads); }
+};
+
+inline HeadSplit moh_split(Index heads, Index active_pct) {
+  Index active = static_cast<Index>(std::llround(static_cast<double>(active_pct) *
+                                                  static_cast<double>(heads) / 100.0));
+  if (active < 1) active = 1;
+  if (active > heads) active = heads;
+  Index shared = active_pct == 25 ? std::max<Index>(1, heads / 8) : heads / 4;
+  if (shared > active) shared = active;
+  return HeadSplit{shared, active - shared, heads};
+}
+
+/// The MoH config of a benchmark: learned router, bias, no RoPE unless told otherwise.
+inline moh::MoHConfig moh_config(Index D, Index H, Index G, const HeadSplit& s,
+                                 moh::MoHRouter router = moh::MoHRouter::Learned,
+                                 bool bias = true, bool rope = false) {
+  moh::MoHConfig c;
+  c.embed_dim = D;
+  c.num_heads = H;
+  c.num_kv_heads = G;
+  c.shared_heads = s.shared;
+  c.active_routed_heads = s.routed_k;
+  c.router = router;
+  c.bias = bias;
+  c.rope = rope;
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// FLOP models: the work each layer actually does (multiply-add = 2 FLOPs).
+// ---------------------------------------------------------------------------------------------
+
+/// Query-key pairs of one head of one sequence: Tq queries over S keys, bottom-right causal
+/// alignment when causal (query t sees S - Tq + t + 1 keys; a square causal call is ~S^2/2).
+inline double attention_pairs(Index Tq, Index S, bool causal) {
+  const double tq = static_cast<double>(Tq), s = static_cast<double>(S);
+  if (!causal) return tq * s;
+  return tq * (s - tq) + tq * (tq + 1.0) / 2.0;
+}
+
+/// Dense MHA: projections 2 N D (H + 2 G) d, attention 4 B H pairs d, output 2 N H d D.
+inline double mha_flops(Index B, Index Tq, Index S, Index D, Index H, Index G, Index d,
+                        bool causal) {
+  const double N = static_cast<double>(B * Tq);
+  return 2.0 * N * D * static_cast<double>((H + 2 * G) * d) +
+         4.0 * B * H * attention_pairs(Tq, S, causal) * d + 2.0 * N * H * d * D;
+}
+
+/// MoH sparse path: keys/values for every token; queries, attention and output only for the
+/// active (token, head) pairs; plus the router. With the query-norm router (or when every head is
+/// active, which takes the dense path) the queries of all heads are projected.
+inline double moh_flops(Index B, Index Tq, Index S, Index D, Index H, Index G, Index d,
+                        bool causal, const HeadSplit& s, moh::MoHRouter router) {
+  const double N = static_cast<double>(B * Tq), r = s.ratio();
+  const bool all_queries = router == moh::MoHRouter::QueryNorm || s.active() == H;
+  const double kv = 2.0 * N * D * static_cast<double>(2 * G * d);
+  const double q = 2.0 * N * D * static_cast<double>(H * d) * (all_queries ? 1.0 : r);
+  const double att = 4.0 * B * H * attention_pairs(Tq, S, causal) * d * r;
+  const double out = 2.0 * N * H * d * D * r;
+  double route = 0.0;
+  if (router == moh::MoHRouter::Learned) {
+    Index rows = 0;  // W_r [H - S, D], W_s [S, D] when S > 1, W_m [2, D] when both groups exist
+    if (s.routed_k > 0) rows += H - s.shared;
+    if (s.shared > 1) rows += s.shared;
+    if (s.shared > 0 && s.routed_k > 0) rows += 2;
+    route = 2.0 * N * D * rows;
+  } else {
+    route = 2.0 * N * static_cast<double>((H - s.shared) * d);  // the routed queries' norms
+  }
+  return kv + q + att + out + route;
+}
+
+/// MoA: one shared key/value head 4 N D d; per token k experts x (2 D d query + 4 S d attention
+/// + 2 d D output); router 2 N D E.
+inline double moa_flops(Index B, Index Tq, Index S, Index D, Index E, Index k, Index d,
+                        bool causal) {
+  const double N = static_cast<double>(B * Tq);
+  return 4.0 * N * D * d + k * (2.0 * N * D * d + 4.0 * B * attention_pairs(Tq, S, causal) * d +
+                                2.0 * N * d * D) +
+         2.0 * N * D * E;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counters.
+// ---------------------------------------------------------------------------------------------
+
+/// GFLOPs and tokens_per_s (rates over the measured time: real time where the benchmark uses
+/// UseRealTime(), else CPU time) and active_ratio.
+inline void set_layer_counters(benchmark::State& state, double flops_per_iter,
+                               double tokens_per_iter, double active_ratio) {
+  const double it = static_cast<double>(state.iterations());
+  state.counters["GFLOPs"] = benchmark::Counter(flops_per_iter * it * 1e-9,
+                                                benchmark::Counter::kIsRate);
+  state.counters["tokens_per_s"] = benchmark::Counter(tokens_per_iter * it,
+                                                      benchmark::Counter::kIsRate);
+  state.counters["active_ratio"] = benchmark::Counter(active_ratio);
+}
+
+/// Keeps `data` alive and forces the writes to memory.
+inline void keep(float* data) {
+  benchmark::DoNotOptimize(data);
+  benchmark::ClobberMemory();
+}
+
+}  // namespace moh_bench
