@@ -67,6 +67,27 @@ GatherScratch<T>& thread_gather_scratch() {
   return scratch;
 }
 
+template <class T>
+PackedKeys<T>& thread_packed_keys() {
+  thread_local PackedKeys<T> packed;
+  return packed;
+}
+
+// Query rows per attention task. A task lays out its kv head's keys once (PackedKeys) when it
+// has at least kPackRows rows, so that cost is spread over many query blocks.
+constexpr Index kTaskRows = 8 * kQueryBlock;
+constexpr Index kPackRows = 32;
+
+/// Keys/values of sequence b, kv head g, packed for `rows` queries when worth it (else null).
+template <class T>
+const PackedKeys<T>* maybe_pack(const KeyValues<T>& kv, Index b, Index g, Index d, Index rows,
+                                T scale) {
+  if (!tiled_head<T>(d) || rows < kPackRows) return nullptr;
+  PackedKeys<T>& p = thread_packed_keys<T>();
+  p.pack(kv.k.at(b, 0, g), kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys, d, scale);
+  return &p;
+}
+
 /// O[b*T + t, h*d : (h+1)*d] = attention of query head h of token t over kv head
 /// g = h / (H / H_kv). q: [B, T, H heads]; out: row-major [B*T, H*d].
 /// Query heads that share a kv head are attended together (their queries gathered into one
@@ -76,36 +97,42 @@ void attend_heads(const HeadsView<T>& q, const KeyValues<T>& kv, Index batch, In
                   Index heads, Index d, bool causal, T* out, ThreadPool* pool) {
   const Index group = heads / kv.kv_heads;
   const Index per_block = std::max<Index>(1, kQueryBlock / group);  // tokens per query block
-  const Index blocks = blocks_of(tokens, per_block);
+  const Index per_task = per_block * (kTaskRows / kQueryBlock);      // tokens per task
+  const Index chunks = blocks_of(tokens, per_task);
   const T scale = T(1) / std::sqrt(static_cast<T>(d));
-  parallel_for(pool, batch * kv.kv_heads * blocks, [&](std::int64_t task, int) {
-    const Index blk = task % blocks, g = (task / blocks) % kv.kv_heads;
-    const Index b = task / (blocks * kv.kv_heads);
-    const Index t0 = blk * per_block, nt = std::min(per_block, tokens - t0);
+  parallel_for(pool, batch * kv.kv_heads * chunks, [&](std::int64_t task, int) {
+    const Index chunk = task % chunks, g = (task / chunks) % kv.kv_heads;
+    const Index b = task / (chunks * kv.kv_heads);
+    const Index first = chunk * per_task, last = std::min(tokens, first + per_task);
     const AttentionMasking mask{causal, kv.keys - tokens, kv.padding_row(b)};
+    const PackedKeys<T>* packed = maybe_pack(kv, b, g, d, (last - first) * group, scale);
     GatherScratch<T>& s = thread_gather_scratch<T>();
-    if (group == 1) {  // one head per kv head: attend in place, no gathering
-      attention<T>(q.at(b, t0, g), q.row_stride, nt, QueryPositions{nullptr, t0},
-                   kv.k.at(b, 0, g), kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys,
-                   d, mask, scale, out + (b * tokens + t0) * heads * d + g * d, heads * d,
-                   s.kernel);
-      return;
-    }
-    const Index n = nt * group;
-    s.reserve(n, d);
-    for (Index t = 0; t < nt; ++t)
-      for (Index j = 0; j < group; ++j) {
-        const Index row = t * group + j;
-        s.q.row(row) = Eigen::Map<const Vector<T>>(q.at(b, t0 + t, g * group + j), d).transpose();
-        s.positions[row] = t0 + t;
+    for (Index t0 = first; t0 < last; t0 += per_block) {
+      const Index nt = std::min(per_block, last - t0);
+      if (group == 1) {  // one head per kv head: attend in place, no gathering
+        attention<T>(q.at(b, t0, g), q.row_stride, nt, QueryPositions{nullptr, t0},
+                     kv.k.at(b, 0, g), kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride,
+                     kv.keys, d, mask, scale, out + (b * tokens + t0) * heads * d + g * d,
+                     heads * d, s.kernel, packed);
+        continue;
       }
-    attention<T>(s.q.data(), d, n, QueryPositions{s.positions.data(), 0}, kv.k.at(b, 0, g),
-                 kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys, d, mask, scale,
-                 s.o.data(), d, s.kernel);
-    for (Index t = 0; t < nt; ++t)
-      for (Index j = 0; j < group; ++j)
-        Eigen::Map<Vector<T>>(out + (b * tokens + t0 + t) * heads * d + (g * group + j) * d, d) =
-            s.o.row(t * group + j).transpose();
+      const Index n = nt * group;
+      s.reserve(n, d);
+      for (Index t = 0; t < nt; ++t)
+        for (Index j = 0; j < group; ++j) {
+          const Index row = t * group + j;
+          s.q.row(row) =
+              Eigen::Map<const Vector<T>>(q.at(b, t0 + t, g * group + j), d).transpose();
+          s.positions[row] = t0 + t;
+        }
+      attention<T>(s.q.data(), d, n, QueryPositions{s.positions.data(), 0}, kv.k.at(b, 0, g),
+                   kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys, d, mask, scale,
+                   s.o.data(), d, s.kernel, packed);
+      for (Index t = 0; t < nt; ++t)
+        for (Index j = 0; j < group; ++j)
+          Eigen::Map<Vector<T>>(out + (b * tokens + t0 + t) * heads * d + (g * group + j) * d,
+                                d) = s.o.row(t * group + j).transpose();
+    }
   });
 }
 
@@ -217,9 +244,9 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
         for (Index i = lo; i < hi; ++i) order.push_back(i);
       }
       const Index last = static_cast<Index>(order.size());
-      for (Index i = first; i < last; i += kQueryBlock) {
+      for (Index i = first; i < last; i += kTaskRows) {
         att_first.push_back(i);
-        att_count.push_back(std::min(kQueryBlock, last - i));
+        att_count.push_back(std::min(kTaskRows, last - i));
         att_batch.push_back(b);
         att_kv.push_back(g);
       }
@@ -228,20 +255,24 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
   parallel_for(pool, static_cast<Index>(att_first.size()), [&](std::int64_t task, int) {
     const Index first = att_first[task], n = att_count[task];
     const Index b = att_batch[task], g = att_kv[task];
-    GatherScratch<T>& s = thread_gather_scratch<T>();
-    s.reserve(n, d);
-    for (Index r = 0; r < n; ++r) {
-      const Index i = order[first + r];
-      s.q.row(r) = Q.row(i);
-      s.positions[r] = plan.positions[i];
-    }
     const AttentionMasking mask{causal, kv.keys - plan.tokens, kv.padding_row(b)};
-    attention<T>(s.q.data(), d, n, QueryPositions{s.positions.data(), 0}, kv.k.at(b, 0, g),
-                 kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys, d, mask, scale,
-                 s.o.data(), d, s.kernel);
-    for (Index r = 0; r < n; ++r) {
-      const Index i = order[first + r];
-      O.row(i) = s.o.row(r) * plan.gates[i];
+    const PackedKeys<T>* packed = maybe_pack(kv, b, g, d, n, scale);
+    GatherScratch<T>& s = thread_gather_scratch<T>();
+    for (Index r0 = 0; r0 < n; r0 += kQueryBlock) {
+      const Index m = std::min(kQueryBlock, n - r0);
+      s.reserve(m, d);
+      for (Index r = 0; r < m; ++r) {
+        const Index i = order[first + r0 + r];
+        s.q.row(r) = Q.row(i);
+        s.positions[r] = plan.positions[i];
+      }
+      attention<T>(s.q.data(), d, m, QueryPositions{s.positions.data(), 0}, kv.k.at(b, 0, g),
+                   kv.k.row_stride, kv.v.at(b, 0, g), kv.v.row_stride, kv.keys, d, mask, scale,
+                   s.o.data(), d, s.kernel, packed);
+      for (Index r = 0; r < m; ++r) {
+        const Index i = order[first + r0 + r];
+        O.row(i) = s.o.row(r) * plan.gates[i];
+      }
     }
   });
 
