@@ -14,6 +14,7 @@
 #include <cmath>
 #include <limits>
 
+#include "moh/linear.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
@@ -80,6 +81,7 @@ constexpr int kTileRows = 8;
 #else
 constexpr int kTileRows = 4;
 #endif
+static_assert(kTileRows <= 8, "product_columns handles remainders of up to 7 rows");
 
 /// C[MR, NP packets] (+)= A[MR, depth] B[depth, NP packets]: A rows at stride lda, B rows at
 /// ldb (unaligned), C rows at ldc. Broadcast-A, load-B outer products in registers.
@@ -111,12 +113,19 @@ inline void product_columns(const T* A, Index lda, const T* B, Index ldb, Index 
   Index r = 0;
   for (; r + kTileRows <= rows; r += kTileRows)
     product_tile<T, kTileRows, NP>(A + r * lda, lda, B, ldb, depth, C + r * ldc, ldc, accumulate);
-  if (kTileRows > 4 && r + 4 <= rows) {
-    product_tile<T, 4, NP>(A + r * lda, lda, B, ldb, depth, C + r * ldc, ldc, accumulate);
-    r += 4;
+  // The remaining rows in one pass over B (it may be a whole weight matrix).
+  const T* a = A + r * lda;
+  T* c = C + r * ldc;
+  switch (rows - r) {
+    case 7: product_tile<T, 7, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
+    case 6: product_tile<T, 6, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
+    case 5: product_tile<T, 5, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
+    case 4: product_tile<T, 4, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
+    case 3: product_tile<T, 3, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
+    case 2: product_tile<T, 2, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
+    case 1: product_tile<T, 1, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
+    default: break;  // none left (kTileRows <= 8)
   }
-  for (; r < rows; ++r)
-    product_tile<T, 1, NP>(A + r * lda, lda, B, ldb, depth, C + r * ldc, ldc, accumulate);
 }
 
 /// C[rows, cols] (+)= A[rows, depth] B[depth, cols], cols a multiple of the packet size. Each
@@ -131,6 +140,23 @@ void small_product(const T* A, Index lda, const T* B, Index ldb, Index rows, Ind
     product_columns<T, kTilePackets>(A, lda, B + c, ldb, rows, depth, C + c, ldc, accumulate);
   for (; c < cols; c += L)
     product_columns<T, 1>(A, lda, B + c, ldb, rows, depth, C + c, ldc, accumulate);
+}
+
+/// C (+)= A B for a few rows of A, without GEMM packing: the register-tiled product when B's
+/// columns are whole packets, else Eigen's product. For per-expert projections of a handful of
+/// routed tokens, where repacking the whole weight for each call would dominate.
+template <class T>
+void few_rows_product(const ConstRowsRef<T>& A, const ConstRowsRef<T>& B, RowsRef<T> C,
+                      bool accumulate) {
+  constexpr Index kFewRows = 32;
+  if (A.rows() < kFewRows && packet_size<T>() > 1 && B.cols() % packet_size<T>() == 0) {
+    small_product<T>(A.data(), A.outerStride(), B.data(), B.outerStride(), A.rows(), B.cols(),
+                     A.cols(), C.data(), C.outerStride(), accumulate);
+  } else if (accumulate) {
+    C.noalias() += A * B;
+  } else {
+    C.noalias() = A * B;
+  }
 }
 
 /// Whether the register-tiled products apply to head size d (a whole number of packets).

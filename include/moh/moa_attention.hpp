@@ -177,10 +177,10 @@ class MoAAttention {
     plan.build(E, B, Tq, [&](Index row, Index e) { return selected(r, row, e); },
                [&](Index row, Index e) { return r.gates(row, e); });
     auto project_q = [&](Index e, const Index*, const ConstRowsRef<T>& Xg, RowsRef<T> Qe) {
-      Qe.noalias() = Xg * q_experts_.middleRows(e * D, D);
+      detail::few_rows_product<T>(Xg, q_experts_.middleRows(e * D, D), Qe, false);
     };
     auto project_out = [&](Index e, const ConstRowsRef<T>& O, RowsRef<T> P) {
-      P.noalias() += O * out_experts_.middleRows(e * d, d);
+      detail::few_rows_product<T>(O, out_experts_.middleRows(e * d, d), P, true);
     };
     Y.setZero();
     detail::attend_routed<T>(plan, X, kv, d, opts.causal, true, project_q, project_out,
