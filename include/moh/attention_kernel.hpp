@@ -44,7 +44,7 @@ struct AttentionScratch {
   Matrix<T> acc;     // [kQueryBlock, d]
   // Fast path: contiguous copies, so that strided rows (heads interleaved in a projection) do
   // not alias in the caches: scale * K^T of the key block, its values, and the query block.
-  Matrix<T> keys_t;   // [d, kKeyBlock]
+  Matrix<T> keys_t;   // [d, kKeyBlock + 16]
   Matrix<T> values;   // [kKeyBlock, d]
   Matrix<T> queries;  // [kQueryBlock, d]
   Vector<T> row_max, row_sum;

@@ -19,21 +19,17 @@
 namespace moh {
 namespace detail {
 
-/// Named slots of the arena. A slot is requested at most once per scope that uses it.
+/// Named slots of the arena. A slot is requested at most once per scope that uses it. The
+/// attention kernel's own small tiles live in thread_local structs next to the drivers
+/// (detail/attend.hpp).
 enum class ScratchSlot : std::size_t {
   KeysValues,     // [B*S, 2 H_kv d] projected keys/values
   Queries,        // [B*T, H d]
   Context,        // [B*T, H d] per-head outputs
   RoutedQueries,  // [pairs, d] queries of the picked (token, head) pairs
   RoutedOutputs,  // [pairs, d]
-  Logits,         // router logits
   GatherRows,     // per task: gathered input rows [tile, D]
   PartialOutput,  // per task: [tile, D]
-  GatherQueries,  // per task: gathered query block [block, d]
-  GatherOutputs,  // per task: [block, d]
-  Scores,         // per task: kernel score tile [block, key block]
-  Accumulator,    // per task: kernel accumulator [block, d]
-  RowStats,       // per task: running max and sum [2, block]
   Count
 };
 
