@@ -64,6 +64,14 @@ struct AttentionScratch {
   }
 };
 
+// Packet types are SIMD vector types with alignment attributes; naming them as template
+// arguments makes GCC warn that those attributes are ignored, which is harmless here (the same
+// pattern Eigen silences in its own headers).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+
 namespace detail {
 
 template <class T>
@@ -166,6 +174,10 @@ constexpr bool tiled_head(Index d) {
 }
 
 }  // namespace detail
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 /// One head's keys and values laid out for the register-tiled path, prepared once and shared by
 /// every query block that attends to them: scale * K^T [d, S rounded up to whole packets, zero
