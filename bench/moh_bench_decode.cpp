@@ -2,14 +2,15 @@
 // already holds `context` tokens, for dense MHA and MoH, plus a plain memcpy so that the bandwidth
 // a decode step reaches reads against the machine's copy rate in the same run.
 //
-//   BM_MHA_Decode/batch:B/context:C/d_model:D/heads:H/kv_heads:G
-//   BM_MoH_Decode/batch:B/context:C/d_model:D/heads:H/kv_heads:G/active_pct:P
+//   BM_MHA_Decode/batch:B/context:C/d_model:D/heads:H/kv_heads:G[/bf16:1]
+//   BM_MoH_Decode/batch:B/context:C/d_model:D/heads:H/kv_heads:G/active_pct:P[/bf16:1]
 //   BM_MemCopy/bytes:N
 //
 // Layer settings: d_model 1024 runs the defaults (bias, no RoPE) and MoH's learned router with
 // shared = H/4; d_model 4096 is the LLaMA3-8B attention layer (32 heads, 8 kv heads, no bias,
 // RoPE) and MoH uses the parameter-free query-norm router of MoH-LLaMA3, shared = H/4. The label
-// of each run repeats its settings.
+// of each run repeats its settings. `bf16:1` runs the same layer with bfloat16 weight storage
+// (WeightStorage::BFloat16): the weight bytes a step streams are halved.
 //
 // Keeping the context at C: the cache is filled once with C real tokens (forward_cached in causal
 // chunks of 512, on a thread pool, outside the timing) and has capacity C + 1. Every iteration
@@ -110,11 +111,11 @@ void run_decode(benchmark::State& state, DecodeFixture<Layer>& f, Index B, Index
 // ---------------------------------------------------------------------------------------------
 // Dense MHA.
 // ---------------------------------------------------------------------------------------------
-void BM_MHA_Decode(benchmark::State& state, bool llama) {
+void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16) {
   const Index B = state.range(0), C = state.range(1), D = state.range(2), H = state.range(3),
               G = state.range(4), d = D / H;
   auto& f = fixture_slot<moh::MultiHeadAttention<float>>();
-  const std::string key = fixture_key(state, 5, llama);
+  const std::string key = fixture_key(state, 5, llama) + (bf16 ? "/bf16" : "");
   if (!f || f->key != key) {
     f.reset();  // free the previous benchmark's cache first
     auto fx = std::make_unique<DecodeFixture<moh::MultiHeadAttention<float>>>();
@@ -124,6 +125,7 @@ void BM_MHA_Decode(benchmark::State& state, bool llama) {
     cfg.num_kv_heads = G;
     cfg.bias = !llama;
     cfg.rope = llama;
+    if (bf16) cfg.weight_storage = moh::WeightStorage::BFloat16;
     fx->key = key;
     fx->layer = std::make_unique<moh::MultiHeadAttention<float>>(cfg, 42);
     fx->cache = fx->layer->make_cache(B, C + 1);
@@ -132,10 +134,11 @@ void BM_MHA_Decode(benchmark::State& state, bool llama) {
     fx->y = moh::Tensor3<float>(B, 1, D);
     fx->kv_heads_read = static_cast<double>(B * G);
     fx->kv_bytes = 2.0 * B * G * static_cast<double>(C + 1) * d * sizeof(float);
-    double w = static_cast<double>((H + 2 * G) * d * D + D * H * d);
-    if (cfg.bias) w += static_cast<double>((H + 2 * G) * d + D);
-    fx->weight_bytes = w * sizeof(float);
-    fx->label = llama ? "llama3: bias=0 rope=1" : "bias=1 rope=0";
+    const double w = static_cast<double>((H + 2 * G) * d * D + D * H * d);
+    const double b = cfg.bias ? static_cast<double>((H + 2 * G) * d + D) : 0.0;
+    fx->weight_bytes = w * (bf16 ? 2.0 : 4.0) + b * sizeof(float);
+    fx->label = std::string(llama ? "llama3: bias=0 rope=1" : "bias=1 rope=0") +
+                (bf16 ? " weights=bf16" : "");
     f = std::move(fx);
   }
   run_decode(state, *f, B, C, D, moh_bench::mha_flops(B, 1, C + 1, D, H, G, d, true), 1.0);
@@ -144,18 +147,19 @@ void BM_MHA_Decode(benchmark::State& state, bool llama) {
 // ---------------------------------------------------------------------------------------------
 // MoH, sparse path.
 // ---------------------------------------------------------------------------------------------
-void BM_MoH_Decode(benchmark::State& state, bool llama) {
+void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16) {
   const Index B = state.range(0), C = state.range(1), D = state.range(2), H = state.range(3),
               G = state.range(4), pct = state.range(5), d = D / H;
   // The prefill split rule; at the decode P values (50, 75, 100) it gives shared = H/4.
   const HeadSplit split = moh_bench::moh_split(H, pct);
   const moh::MoHRouter router = llama ? moh::MoHRouter::QueryNorm : moh::MoHRouter::Learned;
   auto& f = fixture_slot<moh::MoHAttention<float>>();
-  const std::string key = fixture_key(state, 6, llama);
+  const std::string key = fixture_key(state, 6, llama) + (bf16 ? "/bf16" : "");
   if (!f || f->key != key) {
     f.reset();
     auto fx = std::make_unique<DecodeFixture<moh::MoHAttention<float>>>();
-    const moh::MoHConfig cfg = moh_bench::moh_config(D, H, G, split, router, !llama, llama);
+    moh::MoHConfig cfg = moh_bench::moh_config(D, H, G, split, router, !llama, llama);
+    if (bf16) cfg.weight_storage = moh::WeightStorage::BFloat16;
     fx->key = key;
     fx->layer = std::make_unique<moh::MoHAttention<float>>(cfg, 42);
     fx->cache = fx->layer->make_cache(B, C + 1);
@@ -187,20 +191,21 @@ void BM_MoH_Decode(benchmark::State& state, bool llama) {
     const bool all_queries = router == moh::MoHRouter::QueryNorm || split.active() == H;
     const Index q_heads = all_queries ? H : static_cast<Index>(heads_used.size());
     const Index out_heads = split.active() == H ? H : static_cast<Index>(heads_used.size());
-    double w = static_cast<double>(2 * G * d * D + q_heads * d * D + out_heads * d * D);
-    if (cfg.bias) w += static_cast<double>(2 * G * d + q_heads * d + D);
+    const double w = static_cast<double>(2 * G * d * D + q_heads * d * D + out_heads * d * D);
+    double other = cfg.bias ? static_cast<double>(2 * G * d + q_heads * d + D) : 0.0;
     if (router == moh::MoHRouter::Learned) {
       const auto& r = fx->layer->router();
-      w += static_cast<double>(r.routed_weight().size() + r.shared_weight().size() +
-                               r.mix_weight().size());
+      other += static_cast<double>(r.routed_weight().size() + r.shared_weight().size() +
+                                   r.mix_weight().size());
     }
-    fx->weight_bytes = w * sizeof(float);
+    fx->weight_bytes = w * (bf16 ? 2.0 : 4.0) + other * sizeof(float);
     fx->kv_heads_read = static_cast<double>(kv_heads);
     fx->kv_bytes = 2.0 * static_cast<double>(kv_heads) * static_cast<double>(C + 1) * d *
                    sizeof(float);
     fx->label = std::string(llama ? "llama3: query-norm router bias=0 rope=1"
                                   : "learned router bias=1 rope=0") +
-                " shared=" + std::to_string(split.shared) + " K=" + std::to_string(split.routed_k);
+                " shared=" + std::to_string(split.shared) + " K=" + std::to_string(split.routed_k) +
+                (bf16 ? " weights=bf16" : "");
     f = std::move(fx);
   }
   const double flops = moh_bench::moh_flops(B, 1, C + 1, D, H, G, d, true, split, router);
@@ -234,10 +239,12 @@ constexpr Index kContexts[] = {512, 4096, 16384};
 constexpr Index kDecodePct[] = {50, 75, 100};
 
 const bool registered = [] {
-  auto mha = [](benchmark::State& s) { BM_MHA_Decode(s, false); };
-  auto mha_llama = [](benchmark::State& s) { BM_MHA_Decode(s, true); };
-  auto moh = [](benchmark::State& s) { BM_MoH_Decode(s, false); };
-  auto moh_llama = [](benchmark::State& s) { BM_MoH_Decode(s, true); };
+  auto mha = [](benchmark::State& s) { BM_MHA_Decode(s, false, false); };
+  auto mha_llama = [](benchmark::State& s) { BM_MHA_Decode(s, true, false); };
+  auto mha_llama_bf16 = [](benchmark::State& s) { BM_MHA_Decode(s, true, true); };
+  auto moh = [](benchmark::State& s) { BM_MoH_Decode(s, false, false); };
+  auto moh_llama = [](benchmark::State& s) { BM_MoH_Decode(s, true, false); };
+  auto moh_llama_bf16 = [](benchmark::State& s) { BM_MoH_Decode(s, true, true); };
 
   auto* b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
@@ -245,6 +252,10 @@ const bool registered = [] {
   b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
   b->Args({1, 4096, 4096, 32, 8});
+  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama_bf16);
+  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "bf16"})
+      ->Unit(benchmark::kMicrosecond);
+  b->Args({1, 4096, 4096, 32, 8, 1});
 
   b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct"})
@@ -255,6 +266,10 @@ const bool registered = [] {
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct"})
       ->Unit(benchmark::kMicrosecond);
   b->Args({1, 4096, 4096, 32, 8, 75});
+  b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh_llama_bf16);
+  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct", "bf16"})
+      ->Unit(benchmark::kMicrosecond);
+  b->Args({1, 4096, 4096, 32, 8, 75, 1});
 
   benchmark::RegisterBenchmark("BM_MemCopy", BM_MemCopy)
       ->ArgNames({"bytes"})

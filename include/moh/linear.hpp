@@ -37,18 +37,26 @@ inline Index linear_tile(Index n, Index minimum, Index align) {
 }
 }  // namespace detail
 
-/// Same as linear(), split over fixed tiles of Y and run on `pool` (null: this thread).
-template <class T>
-void linear(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, const T* bias, RowsRef<T> Y,
-            ThreadPool* pool) {
-  const Index rows = X.rows(), cols = W.rows();
-  const Index row_tile = detail::linear_tile(rows, 128, 16);
-  const Index col_tile = detail::linear_tile(cols, 256, 64);
+namespace detail {
+/// Calls fn(row0, rows, col0, cols) for each tile of an [rows, cols] output, on `pool`.
+template <class Fn>
+void for_each_linear_tile(Index rows, Index cols, ThreadPool* pool, Fn&& fn) {
+  const Index row_tile = linear_tile(rows, 128, 16);
+  const Index col_tile = linear_tile(cols, 256, 64);
   const Index row_tiles = (rows + row_tile - 1) / row_tile;
   const Index col_tiles = (cols + col_tile - 1) / col_tile;
   parallel_for(pool, row_tiles * col_tiles, [&](std::int64_t task, int) {
     const Index r0 = (task / col_tiles) * row_tile, c0 = (task % col_tiles) * col_tile;
-    const Index nr = std::min(row_tile, rows - r0), nc = std::min(col_tile, cols - c0);
+    fn(r0, std::min(row_tile, rows - r0), c0, std::min(col_tile, cols - c0));
+  });
+}
+}  // namespace detail
+
+/// Same as linear(), split over fixed tiles of Y and run on `pool` (null: this thread).
+template <class T>
+void linear(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, const T* bias, RowsRef<T> Y,
+            ThreadPool* pool) {
+  detail::for_each_linear_tile(X.rows(), W.rows(), pool, [&](Index r0, Index nr, Index c0, Index nc) {
     linear<T>(X.middleRows(r0, nr), W.middleRows(c0, nc), bias ? bias + c0 : nullptr,
               Y.block(r0, c0, nr, nc));
   });

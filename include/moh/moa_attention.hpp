@@ -19,6 +19,7 @@
 #include "moh/moa_router.hpp"
 #include "moh/options.hpp"
 #include "moh/tensor.hpp"
+#include "moh/weight_matrix.hpp"
 
 namespace moh {
 
@@ -29,6 +30,7 @@ struct MoAConfig {
   Index num_experts = 0;  // E
   Index top_k = 0;        // k experts per token
   MoAGating gating = MoAGating::Softmax;
+  WeightStorage weight_storage = WeightStorage::Native;  // expert and key/value projections (not the gate)
 
   /// Throws moh::Error on impossible settings.
   void validate() const {
@@ -51,32 +53,41 @@ class MoAAttention {
 
   explicit MoAAttention(const MoAConfig& config) : config_(validated(config)) {
     const Index D = config.embed_dim, d = config.head_dim, E = config.num_experts;
-    q_experts_.setZero(E * D, d);
-    out_experts_.setZero(E * d, D);
+    q_experts_ = WeightMatrix<T>(E * D, d, config.weight_storage);
+    out_experts_ = WeightMatrix<T>(E * d, D, config.weight_storage);
     gate_.setZero(D, E);
-    kv_.setZero(2 * d, D);
+    kv_ = WeightMatrix<T>(2 * d, D, config.weight_storage);
   }
   /// Seeded random weights (uniform in +-1/sqrt(fan_in)).
   MoAAttention(const MoAConfig& config, std::uint64_t seed) : MoAAttention(config) {
+    const Index D = config.embed_dim, d = config.head_dim, E = config.num_experts;
     std::mt19937_64 rng(seed);
-    fill(q_experts_, config_.embed_dim, rng);
-    fill(out_experts_, config_.head_dim, rng);
-    fill(gate_, config_.embed_dim, rng);
-    fill(kv_, config_.embed_dim, rng);
+    Matrix<T> q(E * D, d), out(E * d, D), kv(2 * d, D);
+    fill(q, D, rng);
+    fill(out, d, rng);
+    fill(gate_, D, rng);
+    fill(kv, D, rng);
+    q_experts_.set(q);
+    out_experts_.set(out);
+    kv_.set(kv);
   }
 
   const MoAConfig& config() const { return config_; }
 
   // Weights (MoA fairseq names). Setters check shapes and throw moh::Error.
   /// q_proj.experts.w [E, D, d], stored as [E*D, d] (expert e = rows e*D ..).
-  const Matrix<T>& query_experts() const { return q_experts_; }
+  Matrix<T> query_experts() const { return q_experts_.values(); }
   /// q_proj.output_experts.w [E, d, D], stored as [E*d, D].
-  const Matrix<T>& output_experts() const { return out_experts_; }
+  Matrix<T> output_experts() const { return out_experts_.values(); }
   /// q_proj.w_gate [D, E].
   const Matrix<T>& gate_weight() const { return gate_; }
   /// k_proj.weight [d, D] and v_proj.weight [d, D].
-  Matrix<T> key_weight() const { return kv_.topRows(config_.head_dim); }
-  Matrix<T> value_weight() const { return kv_.bottomRows(config_.head_dim); }
+  Matrix<T> key_weight() const { return kv_.values().topRows(config_.head_dim); }
+  Matrix<T> value_weight() const { return kv_.values().bottomRows(config_.head_dim); }
+  /// Bytes of expert, key/value and gate weights (halved, but for the gate, with bfloat16).
+  std::size_t weight_bytes() const {
+    return q_experts_.bytes() + out_experts_.bytes() + kv_.bytes() + gate_.size() * sizeof(T);
+  }
   void set_query_experts(const Matrix<T>& w) { assign(q_experts_, w, "q_proj.experts.w [E*D, d]"); }
   void set_output_experts(const Matrix<T>& w) { assign(out_experts_, w, "q_proj.output_experts.w [E*d, D]"); }
   void set_gate_weight(const Matrix<T>& w) { assign(gate_, w, "q_proj.w_gate"); }
@@ -164,12 +175,13 @@ class MoAAttention {
       MatrixMap<T> Q = detail::scratch_matrix<T>(detail::ScratchSlot::Queries, N, E * d);
       MatrixMap<T> C = detail::scratch_matrix<T>(detail::ScratchSlot::Context, N, E * d);
       for (Index e = 0; e < E; ++e)
-        Q.middleCols(e * d, d).noalias() = X * q_experts_.middleRows(e * D, D);
+        detail::multiply_block<T>(X, q_experts_, e * D, D, 0, d, Q.middleCols(e * d, d), false,
+                                  plain_product);
       detail::attend_heads<T>(detail::HeadsView<T>{Q.data(), E * d, Tq * E * d, d}, kv, B, Tq, E,
                               d, opts.causal, C.data(), opts.pool);
       for (Index i = 0; i < N; ++i)
         for (Index e = 0; e < E; ++e) C.row(i).segment(e * d, d) *= r.gates(i, e);
-      Y.noalias() = C * out_experts_;
+      detail::multiply_block<T>(C, out_experts_, 0, E * d, 0, D, Y, false, plain_product);
       return;
     }
 
@@ -177,10 +189,12 @@ class MoAAttention {
     plan.build(E, B, Tq, [&](Index row, Index e) { return selected(r, row, e); },
                [&](Index row, Index e) { return r.gates(row, e); });
     auto project_q = [&](Index e, const Index*, const ConstRowsRef<T>& Xg, RowsRef<T> Qe) {
-      detail::few_rows_product<T>(Xg, q_experts_.middleRows(e * D, D), Qe, false);
+      detail::multiply_block<T>(Xg, q_experts_, e * D, D, 0, d, Qe, false,
+                                detail::few_rows_product<T>);
     };
     auto project_out = [&](Index e, const ConstRowsRef<T>& O, RowsRef<T> P) {
-      detail::few_rows_product<T>(O, out_experts_.middleRows(e * d, d), P, true);
+      detail::multiply_block<T>(O, out_experts_, e * d, d, 0, D, P, true,
+                                detail::few_rows_product<T>);
     };
     Y.setZero();
     detail::attend_routed<T>(plan, X, kv, d, opts.causal, true, project_q, project_out,
@@ -193,18 +207,33 @@ class MoAAttention {
     return false;
   }
 
-  void assign(Matrix<T>& dst, const Matrix<T>& w, const char* name) {
+  template <class Dst>
+  static void check_shape(const Dst& dst, const Matrix<T>& w, const char* name) {
     if (w.rows() != dst.rows() || w.cols() != dst.cols())
       detail::fail("MoAAttention: ", name, ": expected shape [", dst.rows(), ", ", dst.cols(),
                    "], got [", w.rows(), ", ", w.cols(), "]");
+  }
+  static void assign(Matrix<T>& dst, const Matrix<T>& w, const char* name) {
+    check_shape(dst, w, name);
     dst = w;
+  }
+  static void assign(WeightMatrix<T>& dst, const Matrix<T>& w, const char* name) {
+    check_shape(dst, w, name);
+    dst.set(w);
+  }
+  static void plain_product(const ConstRowsRef<T>& A, const ConstRowsRef<T>& B, RowsRef<T> C,
+                            bool accumulate) {
+    if (accumulate)
+      C.noalias() += A * B;
+    else
+      C.noalias() = A * B;
   }
   void assign_rows(Index first, const Matrix<T>& w, const char* name) {
     const Index d = config_.head_dim, D = config_.embed_dim;
     if (w.rows() != d || w.cols() != D)
       detail::fail("MoAAttention: ", name, ": expected shape [", d, ", ", D, "], got [", w.rows(),
                    ", ", w.cols(), "]");
-    kv_.middleRows(first, d) = w;
+    kv_.set_rows(first, w);
   }
   static void fill(Matrix<T>& m, Index fan_in, std::mt19937_64& rng) {
     const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
@@ -213,10 +242,10 @@ class MoAAttention {
   }
 
   MoAConfig config_;
-  Matrix<T> q_experts_;    // [E*D, d]
-  Matrix<T> out_experts_;  // [E*d, D]
-  Matrix<T> gate_;         // [D, E]
-  Matrix<T> kv_;           // [2d, D]: k_proj rows, then v_proj rows
+  WeightMatrix<T> q_experts_;    // [E*D, d]
+  WeightMatrix<T> out_experts_;  // [E*d, D]
+  Matrix<T> gate_;               // [D, E], always in T (the router)
+  WeightMatrix<T> kv_;           // [2d, D]: k_proj rows, then v_proj rows
 };
 
 }  // namespace moh

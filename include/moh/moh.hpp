@@ -8,6 +8,7 @@
 #include "moh/thread_pool.hpp"
 #include "moh/options.hpp"
 #include "moh/linear.hpp"
+#include "moh/weight_matrix.hpp"
 #include "moh/softmax.hpp"
 #include "moh/top_k.hpp"
 #include "moh/rope.hpp"

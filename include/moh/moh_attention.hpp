@@ -39,6 +39,7 @@ struct MoHConfig {
   bool bias = true;
   bool rope = false;
   double rope_base = 10000.0;
+  WeightStorage weight_storage = WeightStorage::Native;  // projections (not the router) in T or bfloat16
 
   Index head_size() const { return head_dim ? head_dim : (num_heads ? embed_dim / num_heads : 0); }
   Index routed_heads() const { return num_heads - shared_heads; }
@@ -90,15 +91,17 @@ class MoHAttention {
 
   // Weights in PyTorch layout (MoH code: qkv.weight, qkv.bias, proj.weight, proj.bias, wg.weight,
   // wg_0.weight, wg_1.weight). Setters check shapes and throw moh::Error.
-  const Matrix<T>& qkv_weight() const { return proj_.in_weight(); }   // [(H+2H_kv) d, D]
+  Matrix<T> qkv_weight() const { return proj_.in_weight(); }   // [(H+2H_kv) d, D]
   const Vector<T>& qkv_bias() const { return proj_.in_bias(); }       // [(H+2H_kv) d] or empty
-  const Matrix<T>& proj_weight() const { return proj_.out_weight(); }  // [D, H d]
+  Matrix<T> proj_weight() const { return proj_.out_weight(); }  // [D, H d]
   const Vector<T>& proj_bias() const { return proj_.out_bias(); }      // [D] or empty
   void set_qkv_weight(const Matrix<T>& w) { proj_.set_in_weight(w); }
   void set_qkv_bias(const Vector<T>& b) { proj_.set_in_bias(b); }
   void set_proj_weight(const Matrix<T>& w) { proj_.set_out_weight(w); }
   void set_proj_bias(const Vector<T>& b) { proj_.set_out_bias(b); }
   const MoHLearnedRouter<T>& router() const { return router_; }
+  /// Bytes of projection weights and biases (router weights, always in T, not counted).
+  std::size_t weight_bytes() const { return proj_.weight_bytes(); }
   void set_router_routed_weight(const Matrix<T>& w) { set_router(router_.routed_weight(), w, "wg.weight"); }
   void set_router_mix_weight(const Matrix<T>& w) { set_router(router_.mix_weight(), w, "wg_0.weight"); }
   void set_router_shared_weight(const Matrix<T>& w) { set_router(router_.shared_weight(), w, "wg_1.weight"); }

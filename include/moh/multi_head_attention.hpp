@@ -28,6 +28,7 @@ struct MhaConfig {
   bool bias = true;         // biases on the input and output projections
   bool rope = false;        // rotary position embedding on queries and keys
   double rope_base = 10000.0;
+  WeightStorage weight_storage = WeightStorage::Native;  // projections in T or bfloat16
 
   Index head_size() const { return head_dim ? head_dim : (num_heads ? embed_dim / num_heads : 0); }
   Index kv_heads() const { return num_kv_heads ? num_kv_heads : num_heads; }
@@ -56,14 +57,16 @@ class MultiHeadAttention {
   Index num_kv_heads() const { return geo().Hkv; }
 
   // Weights in PyTorch layout. Setters check shapes and throw moh::Error.
-  const Matrix<T>& in_proj_weight() const { return proj_.in_weight(); }    // [(H+2H_kv) d, D]
+  Matrix<T> in_proj_weight() const { return proj_.in_weight(); }    // [(H+2H_kv) d, D]
   const Vector<T>& in_proj_bias() const { return proj_.in_bias(); }        // [(H+2H_kv) d] or empty
-  const Matrix<T>& out_proj_weight() const { return proj_.out_weight(); }  // [D, H d]
+  Matrix<T> out_proj_weight() const { return proj_.out_weight(); }  // [D, H d]
   const Vector<T>& out_proj_bias() const { return proj_.out_bias(); }      // [D] or empty
   void set_in_proj_weight(const Matrix<T>& w) { proj_.set_in_weight(w); }
   void set_in_proj_bias(const Vector<T>& b) { proj_.set_in_bias(b); }
   void set_out_proj_weight(const Matrix<T>& w) { proj_.set_out_weight(w); }
   void set_out_proj_bias(const Vector<T>& b) { proj_.set_out_bias(b); }
+  /// Bytes of weights and biases the layer holds (halved for the weights with bfloat16 storage).
+  std::size_t weight_bytes() const { return proj_.weight_bytes(); }
 
   /// Self-attention. x, y: [B, T, D] (y written, may not alias x).
   void forward(const ConstTensorMap3<T>& x, TensorMap3<T> y, const ForwardOptions& opts = {}) const {

@@ -30,6 +30,7 @@ enum class ScratchSlot : std::size_t {
   RoutedOutputs,  // [pairs, d]
   GatherRows,     // per task: gathered input rows [tile, D]
   PartialOutput,  // per task: [tile, D]
+  WeightTile,     // per block: bfloat16 weights widened to T (WeightMatrix::block)
   Count
 };
 

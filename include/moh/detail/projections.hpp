@@ -14,6 +14,7 @@
 #include "moh/options.hpp"
 #include "moh/rope.hpp"
 #include "moh/scratch.hpp"
+#include "moh/weight_matrix.hpp"
 
 namespace moh {
 namespace detail {
@@ -23,6 +24,7 @@ struct Geometry {
   Index D = 0, H = 0, d = 0, Hkv = 0;
   bool bias = true, rope = false;
   double rope_base = 10000.0;
+  WeightStorage weights = WeightStorage::Native;
   Index q_width() const { return H * d; }
   Index kv_width() const { return 2 * Hkv * d; }
   Index in_rows() const { return q_width() + kv_width(); }
@@ -52,6 +54,7 @@ Geometry make_geometry(const Config& c, const char* layer) {
   g.bias = c.bias;
   g.rope = c.rope;
   g.rope_base = c.rope_base;
+  g.weights = c.weight_storage;
   if (g.rope) {
     require(g.d % 2 == 0, layer, ": RoPE needs an even head_dim: expected even, got ", g.d);
     require(c.rope_base > 0, layer, ": rope_base must be positive: expected > 0, got ",
@@ -64,7 +67,7 @@ Geometry make_geometry(const Config& c, const char* layer) {
 /// (keys RoPE'd already); padding [B, S] or none.
 template <class T>
 KeyValues<T> key_values(const ConstRowsRef<T>& KV, Index kv_heads, Index d, Index batch, Index keys,
-                        const std::optional<MaskMap>& padding, const char* layer) {
+                        const PaddingMask& padding, const char* layer) {
   check_padding(padding, batch, keys, layer);
   KeyValues<T> kv;
   const Index w = 2 * kv_heads * d;
@@ -99,7 +102,7 @@ KeyValues<T> cache_view(const KvCache<T>& cache) {
 /// padding flags ([B, T] or none) to `cache`, and returns the whole cache to attend to.
 template <class T>
 KeyValues<T> append_to_cache(const ConstRowsRef<T>& KV, Index kv_heads, Index d, Index batch,
-                             Index tokens, const std::optional<MaskMap>& padding,
+                             Index tokens, const PaddingMask& padding,
                              KvCache<T>& cache, const char* layer) {
   cache.check(batch, kv_heads, d, tokens, layer);
   check_padding(padding, batch, tokens, layer);
@@ -124,8 +127,8 @@ class Projections {
  public:
   Projections() = default;
   Projections(const Geometry& g, const char* layer) : g_(g), layer_(layer) {
-    in_w_.setZero(g.in_rows(), g.D);
-    out_w_.setZero(g.D, g.q_width());
+    in_w_ = WeightMatrix<T>(g.in_rows(), g.D, g.weights);
+    out_w_ = WeightMatrix<T>(g.D, g.q_width(), g.weights);
     if (g.bias) {
       in_b_.setZero(g.in_rows());
       out_b_.setZero(g.D);
@@ -133,20 +136,26 @@ class Projections {
   }
 
   const Geometry& geometry() const { return g_; }
-  const Matrix<T>& in_weight() const { return in_w_; }
+  Matrix<T> in_weight() const { return in_w_.values(); }
   const Vector<T>& in_bias() const { return in_b_; }
-  const Matrix<T>& out_weight() const { return out_w_; }
+  Matrix<T> out_weight() const { return out_w_.values(); }
+  std::size_t weight_bytes() const {
+    return in_w_.bytes() + out_w_.bytes() + (in_b_.size() + out_b_.size()) * sizeof(T);
+  }
   const Vector<T>& out_bias() const { return out_b_; }
 
-  void set_in_weight(const Matrix<T>& w) { in_w_ = checked(w, g_.in_rows(), g_.D, "in_proj_weight"); }
-  void set_out_weight(const Matrix<T>& w) { out_w_ = checked(w, g_.D, g_.q_width(), "out_proj_weight"); }
+  void set_in_weight(const Matrix<T>& w) { in_w_.set(checked(w, g_.in_rows(), g_.D, "in_proj_weight")); }
+  void set_out_weight(const Matrix<T>& w) { out_w_.set(checked(w, g_.D, g_.q_width(), "out_proj_weight")); }
   void set_in_bias(const Vector<T>& b) { in_b_ = checked_bias(b, g_.in_rows(), "in_proj_bias"); }
   void set_out_bias(const Vector<T>& b) { out_b_ = checked_bias(b, g_.D, "out_proj_bias"); }
 
   /// Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) like torch.nn.Linear, from `rng`.
   void randomize(std::mt19937_64& rng) {
-    fill(in_w_, g_.D, rng);
-    fill(out_w_, g_.q_width(), rng);
+    Matrix<T> in(g_.in_rows(), g_.D), out(g_.D, g_.q_width());
+    fill(in, g_.D, rng);
+    fill(out, g_.q_width(), rng);
+    in_w_.set(in);
+    out_w_.set(out);
     if (g_.bias) {
       fill(in_b_, g_.D, rng);
       fill(out_b_, g_.q_width(), rng);
@@ -155,7 +164,7 @@ class Projections {
 
   /// Q[N, H d] = X[N, D] Wq^T + bq.
   void project_q(const ConstRowsRef<T>& X, RowsRef<T> Q, ThreadPool* pool) const {
-    linear<T>(X, in_w_.topRows(g_.q_width()), bias(0), Q, pool);
+    linear<T>(X, in_w_, 0, g_.q_width(), bias(0), Q, pool);
   }
   /// Keys/values of the rows of `src` ([B, S, D]) in thread scratch, RoPE'd from `first`.
   MatrixMap<T> keys_values_of(const ConstTensorMap3<T>& src, Index first, ThreadPool* pool) const {
@@ -168,11 +177,11 @@ class Projections {
 
   /// KV[N, 2 H_kv d] = X[N, D] [Wk; Wv]^T + [bk; bv]: key heads, then value heads.
   void project_kv(const ConstRowsRef<T>& X, RowsRef<T> KV, ThreadPool* pool) const {
-    linear<T>(X, in_w_.bottomRows(g_.kv_width()), bias(g_.q_width()), KV, pool);
+    linear<T>(X, in_w_, g_.q_width(), g_.kv_width(), bias(g_.q_width()), KV, pool);
   }
   /// Query head h of the given rows: Q[n, d] = X[n, D] Wq_h^T + bq_h.
   void project_q_head(Index h, const ConstRowsRef<T>& X, RowsRef<T> Q) const {
-    linear<T>(X, in_w_.middleRows(h * g_.d, g_.d), bias(h * g_.d), Q);
+    linear<T>(X, in_w_, h * g_.d, g_.d, bias(h * g_.d), Q);
   }
   /// Y[N, D] = C[N, H d] Wo^T + bo.
   void project_out(const ConstRowsRef<T>& C, RowsRef<T> Y, ThreadPool* pool) const {
@@ -180,7 +189,10 @@ class Projections {
   }
   /// P[n, D] += O_h[n, d] Wo[:, h d : (h+1) d]^T (no bias).
   void add_out_head(Index h, const ConstRowsRef<T>& O, RowsRef<T> P) const {
-    P.noalias() += O * out_w_.middleCols(h * g_.d, g_.d).transpose();
+    out_w_.for_each_block(0, g_.D, h * g_.d, g_.d,
+                          [&](Index i, Index j, const ConstStridedMap<T>& w) {
+                            P.middleCols(i, w.rows()).noalias() += O.middleCols(j, w.cols()) * w.transpose();
+                          });
   }
   /// Y rows = output bias (or zero), before routed heads are added.
   void init_output(RowsRef<T> Y) const {
@@ -206,11 +218,11 @@ class Projections {
   }
 
   KeyValues<T> key_values(const ConstRowsRef<T>& KV, Index batch, Index keys,
-                          const std::optional<MaskMap>& padding) const {
+                          const PaddingMask& padding) const {
     return detail::key_values<T>(KV, g_.Hkv, g_.d, batch, keys, padding, layer_);
   }
   KeyValues<T> append(const ConstRowsRef<T>& KV, Index batch, Index tokens,
-                      const std::optional<MaskMap>& padding, KvCache<T>& cache) const {
+                      const PaddingMask& padding, KvCache<T>& cache) const {
     return detail::append_to_cache<T>(KV, g_.Hkv, g_.d, batch, tokens, padding, cache, layer_);
   }
 
@@ -238,9 +250,9 @@ class Projections {
 
   Geometry g_;
   const char* layer_ = "";
-  Matrix<T> in_w_;   // [(H + 2 H_kv) d, D]
+  WeightMatrix<T> in_w_;   // [(H + 2 H_kv) d, D]
   Vector<T> in_b_;   // [(H + 2 H_kv) d] or empty
-  Matrix<T> out_w_;  // [D, H d]
+  WeightMatrix<T> out_w_;  // [D, H d]
   Vector<T> out_b_;  // [D] or empty
 };
 
