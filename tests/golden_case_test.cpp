@@ -275,6 +275,63 @@ TEST(GoldenCase, MalformedMetadataThrows) {
   EXPECT_FALSE(msg.empty());
 }
 
+// Layer settings in the metadata that no layer can have are a moh::Error naming the setting,
+// never a crash or an allocation the file cannot back.
+TEST(GoldenCase, ImpossibleLayerSettingsThrow) {
+  const HandCase base = hand_built_mha();
+  auto error_with = [](const Bytes& file, const char* key, const std::string& value) {
+    const Bytes b = edit_header(file, [&](nlohmann::json& h) { h["__metadata__"][key] = value; });
+    return error_of([&] { moh::run_case<float>(moh::SafeTensors::from_bytes(b, "edited")); });
+  };
+  struct Bad { const char* key; std::string value; const char* mentions; };
+  const std::vector<Bad> mha = {
+      {"num_heads", "0", "num_heads"},
+      {"num_heads", "-2", "num_heads"},
+      {"num_heads", "4", "expected"},    // 3 * 4 * 3 query/key/value rows, the file has 18
+      {"head_dim", "0", "divisible"},     // d = D / H needs H | D, and 6 / 4 is not whole
+      {"embed_dim", "4000000000", "embed_dim"},
+      {"embed_dim", "2147483648", "weights"},  // in range, but far beyond the file's values
+      {"head_dim", "2147483648", "weights"},
+  };
+  for (const Bad& bad : mha) {
+    std::string edited = std::string(bad.key) == "head_dim" && bad.value == "0" ? "4" : "";
+    Bytes file = base.bytes;
+    if (!edited.empty())  // num_heads 4 with head_dim 0
+      file = edit_header(file, [&](nlohmann::json& h) { h["__metadata__"]["num_heads"] = edited; });
+    const std::string msg = error_with(file, bad.key, bad.value);
+    EXPECT_NE(msg.find(bad.mentions), std::string::npos) << bad.key << "=" << bad.value << ": " << msg;
+  }
+
+  auto fixture_bytes = [](const std::string& name) {
+    const std::string path = fixture(name);
+    return path.empty() ? Bytes() : read_bytes(path);
+  };
+  const Bytes moh = fixture_bytes("moh_shared_routed.safetensors");
+  const Bytes moa = fixture_bytes("moa_basic.safetensors");
+  const Bytes llama = fixture_bytes("moh_llama_decode.safetensors");
+  if (moh.empty() || moa.empty() || llama.empty()) GTEST_SKIP() << "fixtures not available";
+  const std::vector<std::pair<const Bytes*, Bad>> routed = {
+      {&moh, {"shared_heads", "99", "shared_heads"}},
+      {&moh, {"active_routed_heads", "99", "active_routed_heads"}},
+      {&moh, {"shared_heads", "0", "shared_heads"}},  // with K = 0 too: no head ever active
+      {&moa, {"top_k", "0", "top_k"}},
+      {&moa, {"top_k", "99", "top_k"}},
+      {&moa, {"num_experts", "0", "num_experts"}},
+      {&moa, {"num_experts", "1000000", "weights"}},
+      {&llama, {"num_kv_heads", "3", "num_kv_heads"}},
+      {&llama, {"rope_theta", "-1", "rope_base"}},
+      {&llama, {"rope_theta", "nan", "rope_theta"}},
+      {&llama, {"decode_from", "100000", "decode_from"}},
+  };
+  for (const auto& [file, bad] : routed) {
+    Bytes b = *file;
+    if (std::string(bad.key) == "shared_heads" && bad.value == "0")
+      b = edit_header(b, [](nlohmann::json& h) { h["__metadata__"]["active_routed_heads"] = "0"; });
+    const std::string msg = error_with(b, bad.key, bad.value);
+    EXPECT_NE(msg.find(bad.mentions), std::string::npos) << bad.key << "=" << bad.value << ": " << msg;
+  }
+}
+
 TEST(GoldenCase, ExpectedZeroGateComputedNonZeroFailsExactZeroCheck) {
   const std::string path = fixture("moh_shared_routed.safetensors");
   if (path.empty()) GTEST_SKIP() << "fixture moh_shared_routed.safetensors not available";

@@ -49,7 +49,22 @@ inline Index metadata_int(const SafeTensors& st, const std::string& key) {
   }
   if (used == 0 || used != text.size())
     fail("metadata '", key, "' in ", st.source(), ": expected an integer, got '", text, "'");
+  // Sizes and counts only: bounded so that products of a few of them cannot overflow.
+  constexpr long long kMax = 1LL << 31;
+  if (v < 0 || v > kMax)
+    fail("metadata '", key, "' in ", st.source(), ": expected an integer in [0, ", kMax, "], got ",
+         v);
   return static_cast<Index>(v);
+}
+
+/// Throws unless the file holds at least `weights` values: metadata that describes a layer
+/// larger than the file is an error before any allocation.
+inline void require_weights_fit(const SafeTensors& st, double weights, const char* layer) {
+  double held = 0;
+  for (const std::string& name : st.names()) held += static_cast<double>(st.info(name).numel());
+  if (weights > held)
+    fail("case ", st.source(), ": metadata describes a ", layer, " layer with ", weights,
+         " weights: expected at most the ", held, " values the file holds");
 }
 
 inline double metadata_double(const SafeTensors& st, const std::string& key) {
@@ -143,6 +158,8 @@ CaseResult run_case(const SafeTensors& st) {
     c.num_heads = metadata_int(st, "num_heads");
     c.head_dim = metadata_int(st, "head_dim");
     c.bias = st.contains("in_proj_bias");
+    c.validate();
+    require_weights_fit(st, 4.0 * c.num_heads * c.head_size() * D, "mha");
     MultiHeadAttention<T> layer(c);
     load_weights(layer, st);
     const Tensor3<T> x = input_of<T>(st, D);
@@ -155,6 +172,8 @@ CaseResult run_case(const SafeTensors& st) {
     c.shared_heads = metadata_int(st, "shared_heads");
     c.active_routed_heads = metadata_int(st, "active_routed_heads");
     c.bias = st.contains("qkv.bias");
+    c.validate();
+    require_weights_fit(st, 4.0 * c.num_heads * c.head_size() * D, "moh");
     MoHAttention<T> layer(c);
     load_weights(layer, st);
     const Tensor3<T> x = input_of<T>(st, D);
@@ -169,6 +188,8 @@ CaseResult run_case(const SafeTensors& st) {
     c.head_dim = metadata_int(st, "head_dim");
     c.num_experts = metadata_int(st, "num_experts");
     c.top_k = metadata_int(st, "top_k");
+    c.validate();
+    require_weights_fit(st, (2.0 * c.num_experts + 2.0) * c.head_dim * D, "moa");
     MoAAttention<T> layer(c);
     load_weights(layer, st);
     const Tensor3<T> x = input_of<T>(st, D);
@@ -191,6 +212,9 @@ CaseResult run_case(const SafeTensors& st) {
     c.bias = false;
     c.rope = true;
     c.rope_base = metadata_double(st, "rope_theta");
+    c.validate();
+    require_weights_fit(st, (2.0 * c.num_heads + 2.0 * c.num_kv_heads) * c.head_size() * D,
+                        "moh_llama");
     MoHAttention<T> layer(c);
     load_weights(layer, st);
     const Tensor3<T> x = input_of<T>(st, D);
