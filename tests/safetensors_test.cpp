@@ -15,8 +15,12 @@
 #include <string>
 #include <vector>
 
-#if defined(MOH_FIXTURES_DIR)
 #include <filesystem>
+#include <random>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/stat.h>
+#include <sys/types.h>
 #endif
 
 namespace {
@@ -79,6 +83,20 @@ Bytes one_entry(const std::string& entry_json, const Bytes& data) {
 }
 
 moh::SafeTensors load(const Bytes& bytes) { return moh::SafeTensors::from_bytes(bytes, "test.st"); }
+
+/// A fresh path under the test temp folder, unique per call (and per process: test runs in
+/// other build folders may share the temp folder).
+std::string temp_path(const std::string& stem) {
+  static const std::string run = std::to_string(std::random_device{}());
+  static int counter = 0;
+  return ::testing::TempDir() + "moh_safetensors_" + stem + "_" + run + "_" + std::to_string(++counter);
+}
+
+void write_file(const std::string& path, const Bytes& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good()) << path;
+}
 
 /// Runs `f`, which must throw moh::Error; returns its message ("" and a failure otherwise).
 std::string error_of(const std::function<void()>& f) {
@@ -174,6 +192,173 @@ TEST(SafeTensorsHalf, BFloat16KnownValues) {
   EXPECT_TRUE(std::isnan(moh::bfloat16_to_float(0x7FC0)));
 }
 
+/// Bits of a float.
+std::uint32_t float_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+float bits_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+TEST(SafeTensorsHalf, FloatToHalfRoundTripsEveryBitPattern) {
+  for (std::uint32_t bits = 0; bits <= 0xFFFF; ++bits) {
+    const auto h = static_cast<std::uint16_t>(bits);
+    ASSERT_EQ(moh::float_to_half(moh::half_to_float(h)), h) << "bits 0x" << std::hex << bits;
+  }
+}
+
+TEST(SafeTensorsHalf, FloatToBFloat16RoundTripsEveryBitPattern) {
+  for (std::uint32_t bits = 0; bits <= 0xFFFF; ++bits) {
+    const auto b = static_cast<std::uint16_t>(bits);
+    ASSERT_EQ(moh::float_to_bfloat16(moh::bfloat16_to_float(b)), b) << "bits 0x" << std::hex << bits;
+  }
+}
+
+TEST(SafeTensorsHalf, FloatToHalfSpecialValues) {
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(moh::float_to_half(0.0f), 0x0000);
+  EXPECT_EQ(moh::float_to_half(-0.0f), 0x8000);
+  EXPECT_EQ(moh::float_to_half(inf), 0x7C00);
+  EXPECT_EQ(moh::float_to_half(-inf), 0xFC00);
+  EXPECT_EQ(moh::float_to_half(65504.0f), 0x7BFF);                  // largest half
+  EXPECT_EQ(moh::float_to_half(1e6f), 0x7C00);                      // overflow -> inf
+  EXPECT_EQ(moh::float_to_half(-std::numeric_limits<float>::max()), 0xFC00);
+  EXPECT_EQ(moh::float_to_half(std::ldexp(1.0f, -24)), 0x0001);     // smallest subnormal
+  EXPECT_EQ(moh::float_to_half(std::ldexp(1.0f, -14)), 0x0400);     // smallest normal
+  EXPECT_EQ(moh::float_to_half(std::ldexp(1023.0f, -24)), 0x03FF);  // largest subnormal
+  EXPECT_EQ(moh::float_to_half(1e-30f), 0x0000);                    // underflow -> zero
+  EXPECT_EQ(moh::float_to_half(-1e-30f), 0x8000);
+  EXPECT_EQ(moh::float_to_half(std::numeric_limits<float>::denorm_min()), 0x0000);
+  // NaN stays NaN with its sign, also when the payload sits only in the dropped low bits.
+  for (std::uint32_t nan : {0x7FC00000u, 0x7F800001u, 0xFF800001u, 0x7FFFFFFFu, 0x7F802000u}) {
+    const std::uint16_t h = moh::float_to_half(bits_float(nan));
+    EXPECT_EQ(h & 0x7C00, 0x7C00) << std::hex << nan;
+    EXPECT_NE(h & 0x03FF, 0) << std::hex << nan;
+    EXPECT_EQ(h >> 15, nan >> 31) << std::hex << nan;
+    EXPECT_TRUE(std::isnan(moh::half_to_float(h)));
+  }
+}
+
+TEST(SafeTensorsHalf, FloatToHalfRoundsTiesToEven) {
+  const float u = std::ldexp(1.0f, -10);  // half's ulp at 1
+  EXPECT_EQ(moh::float_to_half(1.0f + u / 2), 0x3C00);                      // tie -> even (down)
+  EXPECT_EQ(moh::float_to_half(1.0f + 3 * u / 2), 0x3C02);                  // tie -> even (up)
+  EXPECT_EQ(moh::float_to_half(std::nextafter(1.0f + u / 2, 2.0f)), 0x3C01);  // above the tie
+  EXPECT_EQ(moh::float_to_half(std::nextafter(1.0f + 3 * u / 2, 0.0f)), 0x3C01);  // below the tie
+  EXPECT_EQ(moh::float_to_half(-(1.0f + u / 2)), 0xBC00);
+  EXPECT_EQ(moh::float_to_half(2048.0f + 1.0f), 0x6800);  // 2049: tie between 2048 and 2050
+  EXPECT_EQ(moh::float_to_half(2048.0f + 3.0f), 0x6802);  // 2051: tie between 2050 and 2052
+  // The rounding carry moves into the exponent: just below 2 rounds up to 2.
+  EXPECT_EQ(moh::float_to_half(2.0f - u / 4), 0x4000);
+  // 65520 is halfway between 65504 (odd mantissa) and 65536: it rounds to infinity.
+  EXPECT_EQ(moh::float_to_half(65520.0f), 0x7C00);
+  EXPECT_EQ(moh::float_to_half(std::nextafter(65520.0f, 0.0f)), 0x7BFF);
+  // Subnormals: units of 2^-24; ties go to the even unit, including the tie at 2^-25 -> 0.
+  const float unit = std::ldexp(1.0f, -24);
+  EXPECT_EQ(moh::float_to_half(unit / 2), 0x0000);
+  EXPECT_EQ(moh::float_to_half(std::nextafter(unit / 2, 1.0f)), 0x0001);
+  EXPECT_EQ(moh::float_to_half(3 * unit / 2), 0x0002);
+  EXPECT_EQ(moh::float_to_half(5 * unit / 2), 0x0002);
+  EXPECT_EQ(moh::float_to_half(7 * unit / 2), 0x0004);
+  // Largest subnormal + half a unit ties to the smallest normal (even).
+  EXPECT_EQ(moh::float_to_half(1023.5f * unit), 0x0400);
+}
+
+/// Nearest half to `v` by search over all finite halves (ties to the even bit pattern); values
+/// at or beyond 65520 give infinity. Independent of the library's bit manipulation.
+std::uint16_t nearest_half_reference(float v) {
+  const double x = std::fabs(static_cast<double>(v));
+  const std::uint16_t sign = std::signbit(v) ? 0x8000 : 0;
+  if (x >= 65520.0) return sign | 0x7C00;
+  std::uint16_t lo = 0, hi = 0x7BFF;  // largest half <= x, by binary search on magnitude
+  while (lo < hi) {
+    const auto mid = static_cast<std::uint16_t>((lo + hi + 1) / 2);
+    if (half_reference(mid) <= x) lo = mid; else hi = static_cast<std::uint16_t>(mid - 1);
+  }
+  const double below = half_reference(lo);
+  if (below == x) return sign | lo;
+  const double above = lo == 0x7BFF ? 65536.0 : half_reference(static_cast<std::uint16_t>(lo + 1));
+  const std::uint16_t up = static_cast<std::uint16_t>(lo + 1);  // 0x7C00 = infinity
+  if (x - below < above - x) return sign | lo;
+  if (x - below > above - x) return sign | up;
+  return sign | ((lo & 1) ? up : lo);
+}
+
+TEST(SafeTensorsHalf, FloatToHalfMatchesANearestSearch) {
+  // Every midpoint between neighbouring halves, and the floats just beside it.
+  for (std::uint32_t h = 0; h < 0x7BFF; ++h) {
+    const float mid = static_cast<float>(
+        (half_reference(static_cast<std::uint16_t>(h)) + half_reference(static_cast<std::uint16_t>(h + 1))) / 2);
+    for (float v : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)}) {
+      ASSERT_EQ(moh::float_to_half(v), nearest_half_reference(v)) << v;
+      ASSERT_EQ(moh::float_to_half(-v), nearest_half_reference(-v)) << -v;
+    }
+  }
+  // Random finite floats over the whole range, and denser near half's range.
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<std::uint32_t> any_bits;
+  std::uniform_int_distribution<std::uint32_t> near_bits(0x32000000u, 0x47FFFFFFu);
+  for (int i = 0; i < 200000; ++i) {
+    for (std::uint32_t bits : {any_bits(rng), near_bits(rng) | (any_bits(rng) & 0x80000000u)}) {
+      const float v = bits_float(bits);
+      if (!std::isfinite(v)) continue;
+      ASSERT_EQ(moh::float_to_half(v), nearest_half_reference(v)) << std::hex << bits;
+    }
+  }
+}
+
+TEST(SafeTensorsHalf, FloatToBFloat16RoundsTiesToEven) {
+  EXPECT_EQ(moh::float_to_bfloat16(1.0f), 0x3F80);
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0x3F808000u)), 0x3F80);  // tie -> even (down)
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0x3F818000u)), 0x3F82);  // tie -> even (up)
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0x3F808001u)), 0x3F81);  // above the tie
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0x3F817FFFu)), 0x3F81);  // below the tie
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0xBF808000u)), 0xBF80);
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0x3FFFFFFFu)), 0x4000);  // carry into the exponent
+  EXPECT_EQ(moh::float_to_bfloat16(3.14159265f), 0x4049);
+  // Overflow: beyond the largest bfloat16 (0x7F7F) by half an ulp or more -> infinity.
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0x7F7F7FFFu)), 0x7F7F);
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0x7F7F8000u)), 0x7F80);  // tie, 0x7F7F odd -> inf
+  EXPECT_EQ(moh::float_to_bfloat16(std::numeric_limits<float>::max()), 0x7F80);
+  EXPECT_EQ(moh::float_to_bfloat16(-std::numeric_limits<float>::infinity()), 0xFF80);
+  // Subnormals round like everything else; ties to even.
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0x00008000u)), 0x0000);
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0x00018000u)), 0x0002);
+  EXPECT_EQ(moh::float_to_bfloat16(bits_float(0x00008001u)), 0x0001);
+  EXPECT_EQ(moh::float_to_bfloat16(-0.0f), 0x8000);
+  // NaN stays NaN, also when its payload is only in the dropped bits.
+  for (std::uint32_t nan : {0x7FC00000u, 0x7F800001u, 0xFF800001u, 0x7FFFFFFFu}) {
+    const std::uint16_t b = moh::float_to_bfloat16(bits_float(nan));
+    EXPECT_TRUE(std::isnan(moh::bfloat16_to_float(b))) << std::hex << nan;
+    EXPECT_EQ(b >> 15, nan >> 31) << std::hex << nan;
+  }
+}
+
+TEST(SafeTensorsHalf, FloatToBFloat16MatchesDoubleRounding) {
+  // Reference: round the float to 8 significant bits in double arithmetic (ties to even via
+  // nearbyint in the default rounding mode), then compare values. Covers normals and subnormals.
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<std::uint32_t> any_bits;
+  for (int i = 0; i < 400000; ++i) {
+    const float v = bits_float(any_bits(rng));
+    if (!std::isfinite(v) || v == 0.0f) continue;
+    int exponent;
+    std::frexp(static_cast<double>(v), &exponent);
+    const int quantum = std::max(exponent - 8, -133);  // bfloat16 ulp exponent (subnormals: 2^-133)
+    const double want = std::ldexp(std::nearbyint(std::ldexp(static_cast<double>(v), -quantum)), quantum);
+    const float got = moh::bfloat16_to_float(moh::float_to_bfloat16(v));
+    if (std::fabs(want) >= std::ldexp(1.0, 128)) {
+      ASSERT_TRUE(std::isinf(got)) << v;
+    } else {
+      ASSERT_EQ(static_cast<double>(got), want) << std::hex << float_bits(v);
+    }
+  }
+}
+
 // ---- round trips ------------------------------------------------------------------------------
 
 TEST(SafeTensorsRoundTrip, F64) {
@@ -248,7 +433,7 @@ TEST(SafeTensorsRoundTrip, ScalarAndEmptyTensors) {
 }
 
 TEST(SafeTensorsRoundTrip, OpenReadsAFileFromDisk) {
-  const std::string path = ::testing::TempDir() + "moh_safetensors_roundtrip.safetensors";
+  const std::string path = temp_path("roundtrip");
   const Bytes bytes = make_file({{"x", "F32", {1, 2, 2}, le_bytes(std::vector<float>{1, 2, 3, 4})}},
                                 {{"format", "moh-case/1"}});
   {
@@ -262,6 +447,126 @@ TEST(SafeTensorsRoundTrip, OpenReadsAFileFromDisk) {
   EXPECT_EQ(x(0, 1, 0), 3.0f);
   std::remove(path.c_str());
 }
+
+// ---- opening files (mmap) -----------------------------------------------------------------------
+
+/// A file holding every dtype, a scalar, an empty tensor and metadata.
+Bytes mixed_file() {
+  return make_file({{"pad", "U8", {3}, {7, 8, 9}},
+                    {"w", "F32", {2, 3}, le_bytes(std::vector<float>{1, -2, 3.5f, 4, 5, 6})},
+                    {"d", "F64", {2}, le_bytes(std::vector<double>{0.1, -1e300})},
+                    {"h", "F16", {2}, u16_bytes({0x3C00, 0x7C00})},
+                    {"b", "BF16", {1}, u16_bytes({0x4049})},
+                    {"i", "I64", {1}, le_bytes(std::vector<std::int64_t>{-5})},
+                    {"m", "BOOL", {1, 2}, {1, 0}},
+                    {"s", "I32", {}, le_bytes(std::vector<std::int32_t>{42})},
+                    {"e", "F32", {0, 4}, {}}},
+                   {{"format", "moh-case/1"}});
+}
+
+/// Asserts that `a` and `b` hold the same tensors, bytes and metadata.
+void expect_same_contents(const moh::SafeTensors& a, const moh::SafeTensors& b) {
+  EXPECT_EQ(a.names(), b.names());
+  EXPECT_EQ(a.metadata(), b.metadata());
+  for (const std::string& name : a.names()) {
+    SCOPED_TRACE(name);
+    const moh::TensorInfo& x = a.info(name);
+    const moh::TensorInfo& y = b.info(name);
+    EXPECT_EQ(x.dtype, y.dtype);
+    EXPECT_EQ(x.shape, y.shape);
+    EXPECT_EQ(x.begin, y.begin);
+    EXPECT_EQ(x.end, y.end);
+    EXPECT_EQ(0, std::memcmp(a.raw(name), b.raw(name), x.nbytes()));
+    const auto va = a.values<double>(name), vb = b.values<double>(name);
+    ASSERT_EQ(va.size(), vb.size());
+    for (std::size_t i = 0; i < va.size(); ++i) {
+      if (std::isnan(va[i])) EXPECT_TRUE(std::isnan(vb[i])); else EXPECT_EQ(va[i], vb[i]);
+    }
+  }
+}
+
+TEST(SafeTensorsOpen, MappedFileEqualsFromBytes) {
+  const std::string path = temp_path("mapped");
+  const Bytes bytes = mixed_file();
+  write_file(path, bytes);
+  const auto mapped = moh::SafeTensors::open(path);
+  const auto in_memory = moh::SafeTensors::from_bytes(bytes, path);
+  expect_same_contents(mapped, in_memory);
+  EXPECT_EQ(mapped.source(), path);
+  EXPECT_EQ(mapped.matrix<float>("w", 2, 3)(0, 2), 3.5f);
+  // The tensor bytes live in the mapping, not in a copy: a second open maps the same file
+  // again, and both are read-only views of it.
+#if defined(__unix__) || defined(__APPLE__)
+  const moh::detail::SharedBytes view = moh::detail::map_file(path, "safetensors file");
+  EXPECT_TRUE(view.mapped());
+  ASSERT_EQ(view.size(), bytes.size());
+  EXPECT_EQ(0, std::memcmp(view.data(), bytes.data(), bytes.size()));
+#endif
+  std::remove(path.c_str());
+}
+
+TEST(SafeTensorsOpen, ReadIntoMemoryFallbackMatches) {
+  const std::string path = temp_path("fallback");
+  const Bytes bytes = mixed_file();
+  write_file(path, bytes);
+  const moh::detail::SharedBytes copy = moh::detail::read_file_into_memory(path, "safetensors file");
+  EXPECT_FALSE(copy.mapped());
+  ASSERT_EQ(copy.size(), bytes.size());
+  EXPECT_EQ(0, std::memcmp(copy.data(), bytes.data(), bytes.size()));
+  EXPECT_TRUE(Mentions(error_of([] { moh::detail::read_file_into_memory(::testing::TempDir(), "safetensors file"); }),
+                       {"expected a regular file", "got a directory"}));
+  EXPECT_TRUE(Mentions(error_of([] { moh::detail::read_file_into_memory("/nonexistent/x.safetensors", "safetensors file"); }),
+                       {"cannot open", "/nonexistent/x.safetensors"}));
+  std::remove(path.c_str());
+}
+
+TEST(SafeTensorsOpen, OutlivesTheScopeThatOpenedIt) {
+  const std::string path = temp_path("outlive");
+  write_file(path, mixed_file());
+  std::vector<moh::SafeTensors> kept;
+  {
+    const auto st = moh::SafeTensors::open(path);
+    kept.push_back(st);  // a cheap copy sharing the mapping
+  }
+  // The file may even disappear: the mapping keeps its bytes alive until the last copy goes.
+  std::remove(path.c_str());
+  moh::SafeTensors copy = kept.front();
+  kept.clear();
+  EXPECT_EQ(copy.values<float>("w"), (std::vector<float>{1, -2, 3.5f, 4, 5, 6}));
+  EXPECT_EQ(copy.values<std::int32_t>("s"), std::vector<std::int32_t>{42});
+  EXPECT_EQ(copy.metadata_value("format"), "moh-case/1");
+  expect_same_contents(copy, moh::SafeTensors::from_bytes(mixed_file()));
+}
+
+TEST(SafeTensorsOpen, EmptyFileIsTooShort) {
+  const std::string path = temp_path("empty");
+  write_file(path, {});
+  EXPECT_TRUE(Mentions(error_of([&] { moh::SafeTensors::open(path); }),
+                       {"safetensors file " + path, "at least 8 bytes", "got 0"}));
+  write_file(path, {1, 0, 0});
+  EXPECT_TRUE(Mentions(error_of([&] { moh::SafeTensors::open(path); }), {"at least 8 bytes", "got 3"}));
+  std::remove(path.c_str());
+}
+
+TEST(SafeTensorsOpen, DirectoryIsRejected) {
+  const std::string dir = ::testing::TempDir();
+  EXPECT_TRUE(Mentions(error_of([&] { moh::SafeTensors::open(dir); }),
+                       {"'" + dir + "'", "expected a regular file", "got a directory"}));
+}
+
+#if defined(__unix__) || defined(__APPLE__)
+TEST(SafeTensorsOpen, DevicesAndFifosAreRejectedWithoutBlocking) {
+  if (std::filesystem::exists("/dev/null")) {
+    EXPECT_TRUE(Mentions(error_of([] { moh::SafeTensors::open("/dev/null"); }),
+                         {"'/dev/null'", "expected a regular file", "got a character device"}));
+  }
+  // Opening a FIFO for reading would wait for a writer; open() must reject it at once.
+  const std::string fifo = temp_path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo;
+  EXPECT_TRUE(Mentions(error_of([&] { moh::SafeTensors::open(fifo); }), {"got a FIFO", fifo}));
+  std::remove(fifo.c_str());
+}
+#endif
 
 // ---- conversions ------------------------------------------------------------------------------
 
@@ -356,6 +661,20 @@ TEST(SafeTensorsAccess, Mask) {
 TEST(SafeTensorsMalformed, ShorterThanTheLengthPrefix) {
   EXPECT_TRUE(Mentions(load_error({}), {"test.st", "at least 8 bytes", "got 0"}));
   EXPECT_TRUE(Mentions(load_error({1, 0, 0, 0, 0}), {"at least 8 bytes", "got 5"}));
+}
+
+TEST(SafeTensorsMalformed, TruncatedFile) {
+  const Bytes good = make_file({{"w", "F32", {2, 2}, le_bytes(std::vector<float>{1, 2, 3, 4})}});
+  const std::size_t header_end = good.size() - 16;
+  // Cut inside the header: the length prefix claims more than is there.
+  EXPECT_TRUE(Mentions(load_error(Bytes(good.begin(), good.begin() + 20)),
+                       {"header length exceeds the file", "got " + std::to_string(header_end - 8)}));
+  // Cut inside the data: the last tensor's offsets now reach past the end.
+  EXPECT_TRUE(Mentions(load_error(Bytes(good.begin(), good.end() - 1)),
+                       {"tensor 'w'", "beyond the data", "expected <= 15", "got 16"}));
+  // Cut right after the header: no data at all.
+  EXPECT_TRUE(Mentions(load_error(Bytes(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(header_end))),
+                       {"beyond the data", "expected <= 0"}));
 }
 
 TEST(SafeTensorsMalformed, HeaderLengthBeyondTheFile) {
@@ -508,7 +827,9 @@ TEST(SafeTensorsMalformed, DuplicateKeys) {
 
 TEST(SafeTensorsMalformed, NonexistentPath) {
   const std::string path = "/nonexistent/dir/missing.safetensors";
-  EXPECT_TRUE(Mentions(error_of([&] { moh::SafeTensors::open(path); }), {"cannot open", path}));
+  EXPECT_TRUE(Mentions(error_of([&] { moh::SafeTensors::open(path); }),
+                       {"cannot open safetensors file '" + path + "'", "expected a readable file",
+                        "No such file or directory"}));
 }
 
 // Every truncation and many single-byte corruptions of a valid file must load or throw

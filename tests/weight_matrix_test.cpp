@@ -51,7 +51,7 @@ TEST(BFloat16, RoundsToNearestEvenOnRandomBitPatterns) {
     const std::uint32_t bits = rng();
     const float x = from_bits(bits);
     if (std::isnan(x) || std::isinf(x)) continue;
-    ASSERT_EQ(moh::round_to_bfloat16(x), nearest_bfloat16(x)) << "bits 0x" << std::hex << bits;
+    ASSERT_EQ(moh::float_to_bfloat16(x), nearest_bfloat16(x)) << "bits 0x" << std::hex << bits;
     ++checked;
   }
   EXPECT_GT(checked, 1 << 19);
@@ -59,26 +59,26 @@ TEST(BFloat16, RoundsToNearestEvenOnRandomBitPatterns) {
 
 TEST(BFloat16, HandPickedTiesAndSpecialValues) {
   // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties to the even one, 1.
-  EXPECT_EQ(moh::round_to_bfloat16(1.0f + std::ldexp(1.0f, -8)), 0x3F80);
+  EXPECT_EQ(moh::float_to_bfloat16(1.0f + std::ldexp(1.0f, -8)), 0x3F80);
   // 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 (odd) and 1 + 2^-6 (even): rounds up.
-  EXPECT_EQ(moh::round_to_bfloat16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82);
+  EXPECT_EQ(moh::float_to_bfloat16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82);
   // Just above the tie rounds up.
-  EXPECT_EQ(moh::round_to_bfloat16(from_bits(0x3F808001u)), 0x3F81);
-  EXPECT_EQ(moh::round_to_bfloat16(std::numeric_limits<float>::max()), 0x7F80);  // overflow
-  EXPECT_EQ(moh::round_to_bfloat16(-std::numeric_limits<float>::infinity()), 0xFF80);
-  EXPECT_EQ(moh::round_to_bfloat16(-0.0f), 0x8000);
-  EXPECT_EQ(moh::round_to_bfloat16(from_bits(0x00000001u)), 0x0000);  // tiny subnormal
-  EXPECT_EQ(moh::round_to_bfloat16(from_bits(0x00018000u)), 0x0002);  // subnormal tie, to even
+  EXPECT_EQ(moh::float_to_bfloat16(from_bits(0x3F808001u)), 0x3F81);
+  EXPECT_EQ(moh::float_to_bfloat16(std::numeric_limits<float>::max()), 0x7F80);  // overflow
+  EXPECT_EQ(moh::float_to_bfloat16(-std::numeric_limits<float>::infinity()), 0xFF80);
+  EXPECT_EQ(moh::float_to_bfloat16(-0.0f), 0x8000);
+  EXPECT_EQ(moh::float_to_bfloat16(from_bits(0x00000001u)), 0x0000);  // tiny subnormal
+  EXPECT_EQ(moh::float_to_bfloat16(from_bits(0x00018000u)), 0x0002);  // subnormal tie, to even
   for (std::uint32_t nan : {0x7FC00000u, 0x7F800001u, 0xFF800001u, 0x7FFFFFFFu})
-    EXPECT_TRUE(std::isnan(moh::widen_bfloat16(moh::round_to_bfloat16(from_bits(nan)))));
+    EXPECT_TRUE(std::isnan(moh::bfloat16_to_float(moh::float_to_bfloat16(from_bits(nan)))));
 }
 
 TEST(BFloat16, EveryPatternSurvivesWidenAndRound) {
   for (std::uint32_t b = 0; b <= 0xFFFFu; ++b) {
-    const float f = moh::widen_bfloat16(static_cast<std::uint16_t>(b));
+    const float f = moh::bfloat16_to_float(static_cast<std::uint16_t>(b));
     EXPECT_EQ(to_bits(f), b << 16);
     if (std::isnan(f)) continue;
-    ASSERT_EQ(moh::round_to_bfloat16(f), b);
+    ASSERT_EQ(moh::float_to_bfloat16(f), b);
   }
 }
 
@@ -93,7 +93,7 @@ Matrix<float> random_matrix(Index rows, Index cols, unsigned seed) {
 Matrix<float> rounded(const Matrix<float>& m) {
   Matrix<float> out(m.rows(), m.cols());
   for (Index i = 0; i < m.size(); ++i)
-    out.data()[i] = moh::widen_bfloat16(moh::round_to_bfloat16(m.data()[i]));
+    out.data()[i] = moh::bfloat16_to_float(moh::float_to_bfloat16(m.data()[i]));
   return out;
 }
 

@@ -16,13 +16,20 @@
 //   - BOOL bytes are 0 or 1;
 //   - conversions to an integer or bool type are exact (no silent wrap, no undefined casts).
 // Data need not be aligned: every element is assembled from its little-endian bytes.
+//
+// SafeTensors::open maps the file read-only (POSIX mmap, MAP_PRIVATE) instead of copying it, so a
+// multi-GB checkpoint costs page cache, not heap; copies of a SafeTensors share the mapping, which
+// is released with the last copy. As with any mapped file, the file must not be truncated while
+// it is open. Platforms without mmap read the file into memory instead.
 #pragma once
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -31,10 +38,22 @@
 #include <set>
 #include <string>
 #include <type_traits>
+#include <system_error>
 #include <utility>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#define MOH_SAFETENSORS_HAS_MMAP 1
+#else
+#define MOH_SAFETENSORS_HAS_MMAP 0
+#endif
+
 #include "moh/error.hpp"
+#include "moh/float16.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
@@ -82,15 +101,6 @@ inline const char* dtype_name(DType dtype) {
 
 namespace detail {
 
-/// Reinterprets the bits of `from` as a `To` of the same size (no aliasing UB).
-template <class To, class From>
-To bit_cast_value(From from) {
-  static_assert(sizeof(To) == sizeof(From), "bit_cast_value needs equal sizes");
-  To to;
-  std::memcpy(&to, &from, sizeof(To));
-  return to;
-}
-
 /// Reads an unsigned integer stored little-endian at `p` (any alignment, any host byte order).
 template <class U>
 U load_le(const std::uint8_t* p) {
@@ -101,38 +111,6 @@ U load_le(const std::uint8_t* p) {
 }
 
 }  // namespace detail
-
-/// Converts an IEEE 754 binary16 value to float exactly (subnormals, infinities and NaN
-/// payloads included; every half value is representable as a float).
-inline float half_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t exponent = (h >> 10) & 0x1Fu;
-  std::uint32_t mantissa = h & 0x3FFu;
-  std::uint32_t bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);  // infinity or NaN (payload kept)
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);  // normal
-  } else if (mantissa == 0) {
-    bits = sign;  // signed zero
-  } else {
-    // Subnormal half: value = mantissa * 2^-24. Shift the leading 1 up to the implicit bit; each
-    // shift lowers the exponent by one, starting from the smallest normal exponent -14.
-    int e = -14;
-    while ((mantissa & 0x400u) == 0) {
-      mantissa <<= 1;
-      --e;
-    }
-    mantissa &= 0x3FFu;
-    bits = sign | (static_cast<std::uint32_t>(e + 127) << 23) | (mantissa << 13);
-  }
-  return detail::bit_cast_value<float>(bits);
-}
-
-/// Converts a bfloat16 value (the upper half of a binary32) to float exactly.
-inline float bfloat16_to_float(std::uint16_t b) {
-  return detail::bit_cast_value<float>(static_cast<std::uint32_t>(b) << 16);
-}
 
 /// One tensor's entry in a safetensors header. `begin`/`end` are byte offsets into the data
 /// section (after the header), already validated against the file.
@@ -350,35 +328,195 @@ auto printable(S v) {
   return +v;
 }
 
+/// Text of an errno value, e.g. "No such file or directory (errno 2)".
+inline std::string errno_text(int error) {
+  return concat(std::generic_category().message(error), " (errno ", error, ")");
+}
+
+/// Read-only bytes and whatever keeps them alive (a file mapping, a vector). Copies share the
+/// owner, which releases the bytes when the last copy goes.
+class SharedBytes {
+ public:
+  SharedBytes() = default;
+  /// `size` bytes at `data`, valid while `owner` lives.
+  SharedBytes(const std::uint8_t* data, std::size_t size, std::shared_ptr<const void> owner,
+              bool mapped)
+      : data_(data), size_(size), owner_(std::move(owner)), mapped_(mapped) {}
+
+  /// Takes ownership of `bytes` (no copy).
+  static SharedBytes from_vector(std::vector<std::uint8_t> bytes) {
+    auto owner = std::make_shared<const std::vector<std::uint8_t>>(std::move(bytes));
+    return SharedBytes(owner->data(), owner->size(), owner, false);
+  }
+
+  const std::uint8_t* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  /// True if the bytes are a memory mapping of a file (rather than a copy in memory).
+  bool mapped() const { return mapped_; }
+
+ private:
+  const std::uint8_t* data_ = nullptr;
+  std::size_t size_ = 0;
+  std::shared_ptr<const void> owner_;
+  bool mapped_ = false;
+};
+
+/// Throws unless `path` names a regular file (after following links); `what` names the file's
+/// role in the message, e.g. "safetensors file".
+inline void require_regular_file(const std::string& path, const char* what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (ec) {
+    fail("cannot open ", what, " '", path, "': expected a readable file, got error: ",
+         ec.message());
+  }
+  if (fs::is_regular_file(status)) return;
+  const char* kind = fs::is_directory(status)   ? "a directory"
+                     : fs::is_character_file(status) ? "a character device"
+                     : fs::is_block_file(status) ? "a block device"
+                     : fs::is_fifo(status)       ? "a FIFO"
+                     : fs::is_socket(status)     ? "a socket"
+                                                 : "not a regular file";
+  fail(what, " '", path, "': expected a regular file, got ", kind);
+}
+
+/// Reads the whole file at `path` into memory (the fallback where mmap is unavailable).
+inline SharedBytes read_file_into_memory(const std::string& path, const char* what) {
+  require_regular_file(path, what);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open ", what, " '", path, "': expected a readable file");
+  std::vector<std::uint8_t> bytes;
+  std::vector<char> chunk(1 << 20);
+  while (in.read(chunk.data(), static_cast<std::streamsize>(chunk.size())) || in.gcount() > 0) {
+    bytes.insert(bytes.end(), chunk.data(), chunk.data() + in.gcount());
+  }
+  if (in.bad()) fail("cannot read ", what, " '", path, "': read failed after ", bytes.size(), " bytes");
+  return SharedBytes::from_vector(std::move(bytes));
+}
+
+#if MOH_SAFETENSORS_HAS_MMAP
+/// Maps the regular file at `path` read-only (MAP_PRIVATE); the descriptor is closed at once, the
+/// mapping lives until the last copy of the result goes. An empty file yields empty bytes (mmap
+/// of 0 bytes is not allowed).
+inline SharedBytes map_file(const std::string& path, const char* what) {
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; it is rejected just below.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    fail("cannot open ", what, " '", path, "': expected a readable file, got error: ",
+         errno_text(errno));
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    fail("cannot stat ", what, " '", path, "': expected a readable file, got error: ",
+         errno_text(errno));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "not a regular file";
+    fail(what, " '", path, "': expected a regular file, got ", kind);
+  }
+  const std::uint64_t file_size = static_cast<std::uint64_t>(st.st_size);
+  if constexpr (sizeof(std::size_t) < sizeof(std::uint64_t)) {
+    if (file_size > std::numeric_limits<std::size_t>::max()) {
+      fail(what, " '", path, "' is too large to map: expected <= ",
+           std::numeric_limits<std::size_t>::max(), " bytes, got ", file_size);
+    }
+  }
+  const std::size_t size = static_cast<std::size_t>(file_size);
+  if (size == 0) return SharedBytes(nullptr, 0, nullptr, true);
+  void* address = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  if (address == MAP_FAILED) {
+    fail("cannot map ", what, " '", path, "': mmap of ", size, " bytes failed with error: ",
+         errno_text(errno));
+  }
+  std::shared_ptr<const void> owner(address, [size](const void* p) {
+    ::munmap(const_cast<void*>(p), size);
+  });
+  return SharedBytes(static_cast<const std::uint8_t*>(address), size, std::move(owner), true);
+}
+#endif
+
+/// The bytes of the file at `path`: mapped where mmap exists, read into memory elsewhere.
+inline SharedBytes load_file(const std::string& path, const char* what) {
+#if MOH_SAFETENSORS_HAS_MMAP
+  return map_file(path, what);
+#else
+  return read_file_into_memory(path, what);
+#endif
+}
+
+/// Parses `size` bytes of untrusted JSON text as strictly as a safetensors header: valid UTF-8,
+/// nesting <= kMaxJsonDepth (checked before the recursive parser runs), valid JSON, no repeated
+/// key in any object, an object at the top. Errors read "<prefix><what> ...", e.g.
+/// "safetensors file a.st: header is not valid UTF-8: ...".
+inline nlohmann::json parse_json_strictly(const std::uint8_t* text, std::size_t size,
+                                          const std::string& prefix, const std::string& what) {
+  const std::size_t bad_byte = utf8_error_offset(text, size);
+  if (bad_byte != size) {
+    static const char kHex[] = "0123456789abcdef";
+    const std::uint8_t b = text[bad_byte];
+    const char byte_text[] = {'0', 'x', kHex[b >> 4], kHex[b & 15], '\0'};
+    fail(prefix, what, " is not valid UTF-8: expected UTF-8 text, got byte ", byte_text, " at ",
+         what, " offset ", bad_byte);
+  }
+  if (json_nesting_exceeds(text, size, kMaxJsonDepth)) {
+    fail(prefix, what, " JSON nests too deeply: expected depth <= ", kMaxJsonDepth, ", got more");
+  }
+  nlohmann::json root;
+  try {
+    // Reject repeated keys in any object (the parser would silently keep the last one).
+    std::vector<std::set<std::string>> open_objects;
+    auto reject_duplicates = [&](int, nlohmann::json::parse_event_t event,
+                                 nlohmann::json& parsed) {
+      using Event = nlohmann::json::parse_event_t;
+      if (event == Event::object_start) {
+        open_objects.emplace_back();
+      } else if (event == Event::object_end && !open_objects.empty()) {
+        open_objects.pop_back();
+      } else if (event == Event::key && !open_objects.empty()) {
+        const std::string& key = parsed.get_ref<const std::string&>();
+        if (!open_objects.back().insert(key).second) {
+          fail(prefix, what, " repeats the key '", key, "': expected unique keys");
+        }
+      }
+      return true;
+    };
+    const char* first = reinterpret_cast<const char*>(text);
+    root = nlohmann::json::parse(first, first + size, reject_duplicates);
+  } catch (const nlohmann::json::exception& e) {
+    fail(prefix, what, " is not valid JSON: expected a JSON object, got error: ", e.what());
+  }
+  if (!root.is_object()) {
+    fail(prefix, what, ": expected a JSON object, got ", describe_json(root));
+  }
+  return root;
+}
+
 }  // namespace detail
 
 /// A parsed, validated safetensors file. Copies are cheap and share the underlying bytes.
 class SafeTensors {
  public:
-  /// Reads and validates the file at `path`; errors name the path.
+  /// Maps (POSIX mmap, read-only) and validates the file at `path`; errors name the path. The
+  /// result and its copies share the mapping; nothing is copied into memory.
   static SafeTensors open(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) detail::fail("cannot open safetensors file '", path, "': expected a readable file");
-    std::vector<std::uint8_t> bytes;
-    std::vector<char> chunk(1 << 20);
-    while (in.read(chunk.data(), static_cast<std::streamsize>(chunk.size())) || in.gcount() > 0) {
-      bytes.insert(bytes.end(), chunk.data(), chunk.data() + in.gcount());
-    }
-    if (in.bad()) {
-      detail::fail("cannot read safetensors file '", path, "': read failed after ",
-                   bytes.size(), " bytes");
-    }
-    return from_bytes(std::move(bytes), path);
+    return from_shared_bytes(detail::load_file(path, "safetensors file"), path);
   }
 
-  /// Validates `bytes` as a safetensors file; `source` names it in error messages.
+  /// Validates `bytes` as a safetensors file, taking ownership of them; `source` names it in
+  /// error messages.
   static SafeTensors from_bytes(std::vector<std::uint8_t> bytes,
                                 std::string source = "<memory>") {
-    SafeTensors st;
-    st.source_ = std::move(source);
-    st.storage_ = std::make_shared<const std::vector<std::uint8_t>>(std::move(bytes));
-    st.parse();
-    return st;
+    return from_shared_bytes(detail::SharedBytes::from_vector(std::move(bytes)), std::move(source));
   }
 
   /// The "__metadata__" map (empty if the file has none).
@@ -415,7 +553,8 @@ class SafeTensors {
                  "]");
   }
 
-  /// The tensor's bytes (little-endian, row-major, possibly unaligned).
+  /// The tensor's bytes (little-endian, row-major, possibly unaligned); valid while this object
+  /// or a copy of it lives.
   const std::uint8_t* raw(const std::string& name) const { return bytes_of(info(name)); }
 
   /// All elements converted to T, row-major. Floating targets round; integer and bool targets
@@ -473,8 +612,17 @@ class SafeTensors {
  private:
   SafeTensors() = default;
 
+  /// Validates bytes whose lifetime `bytes` manages (a mapping or a vector); no copy.
+  static SafeTensors from_shared_bytes(detail::SharedBytes bytes, std::string source) {
+    SafeTensors st;
+    st.source_ = std::move(source);
+    st.storage_ = std::move(bytes);
+    st.parse();
+    return st;
+  }
+
   const std::uint8_t* bytes_of(const TensorInfo& t) const {
-    return storage_->data() + data_start_ + t.begin;
+    return storage_.data() + data_start_ + t.begin;
   }
 
   const TensorInfo& expect_shape(const std::string& name,
@@ -579,13 +727,13 @@ class SafeTensors {
   }
 
   void parse() {
-    const std::vector<std::uint8_t>& bytes = *storage_;
-    const std::uint64_t file_size = bytes.size();
+    const std::uint8_t* bytes = storage_.data();
+    const std::uint64_t file_size = storage_.size();
     if (file_size < 8) {
       bad_file("too short for the header length prefix: expected at least 8 bytes, got ",
                file_size);
     }
-    const std::uint64_t header_size = detail::load_le<std::uint64_t>(bytes.data());
+    const std::uint64_t header_size = detail::load_le<std::uint64_t>(bytes);
     if (header_size > detail::kMaxSafetensorsHeader) {
       bad_file("header length too large: expected <= ", detail::kMaxSafetensorsHeader,
                " bytes, got ", header_size);
@@ -594,51 +742,12 @@ class SafeTensors {
       bad_file("header length exceeds the file: expected <= ", file_size - 8,
                " bytes (file size ", file_size, " minus 8), got ", header_size);
     }
-    const std::uint8_t* header = bytes.data() + 8;
     const std::size_t header_len = static_cast<std::size_t>(header_size);
     data_start_ = 8 + header_len;
     const std::uint64_t data_size = file_size - data_start_;
 
-    const std::size_t bad_byte = detail::utf8_error_offset(header, header_len);
-    if (bad_byte != header_len) {
-      static const char kHex[] = "0123456789abcdef";
-      const std::uint8_t b = header[bad_byte];
-      const char byte_text[] = {'0', 'x', kHex[b >> 4], kHex[b & 15], '\0'};
-      bad_file("header is not valid UTF-8: expected UTF-8 text, got byte ", byte_text,
-               " at header offset ", bad_byte);
-    }
-    if (detail::json_nesting_exceeds(header, header_len, detail::kMaxJsonDepth)) {
-      bad_file("header JSON nests too deeply: expected depth <= ", detail::kMaxJsonDepth,
-               ", got more");
-    }
-
-    nlohmann::json root;
-    try {
-      // Reject repeated keys in any object (the parser would silently keep the last one).
-      std::vector<std::set<std::string>> open_objects;
-      auto reject_duplicates = [&](int, nlohmann::json::parse_event_t event,
-                                   nlohmann::json& parsed) {
-        using Event = nlohmann::json::parse_event_t;
-        if (event == Event::object_start) {
-          open_objects.emplace_back();
-        } else if (event == Event::object_end && !open_objects.empty()) {
-          open_objects.pop_back();
-        } else if (event == Event::key && !open_objects.empty()) {
-          const std::string& key = parsed.get_ref<const std::string&>();
-          if (!open_objects.back().insert(key).second) {
-            bad_file("header repeats the key '", key, "': expected unique keys");
-          }
-        }
-        return true;
-      };
-      const char* first = reinterpret_cast<const char*>(header);
-      root = nlohmann::json::parse(first, first + header_len, reject_duplicates);
-    } catch (const nlohmann::json::exception& e) {
-      bad_file("header is not valid JSON: expected a JSON object, got error: ", e.what());
-    }
-    if (!root.is_object()) {
-      bad_file("header: expected a JSON object, got ", detail::describe_json(root));
-    }
+    const nlohmann::json root = detail::parse_json_strictly(
+        bytes + 8, header_len, detail::concat("safetensors file ", source_, ": "), "header");
 
     for (auto it = root.begin(); it != root.end(); ++it) {
       if (it.key() == "__metadata__") {
@@ -780,8 +889,8 @@ class SafeTensors {
   }
 
   std::string source_;
-  std::shared_ptr<const std::vector<std::uint8_t>> storage_;  // the whole file
-  std::size_t data_start_ = 0;                                 // first byte after the header
+  detail::SharedBytes storage_;  // the whole file, mapped or in memory
+  std::size_t data_start_ = 0;   // first byte after the header
   std::map<std::string, TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
 };

@@ -10,9 +10,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
+#include "moh/float16.hpp"
 #include "moh/linear.hpp"
 #include "moh/scratch.hpp"
 #include "moh/tensor.hpp"
@@ -28,23 +28,6 @@ enum class WeightStorage {
 /// "native" or "bfloat16".
 inline const char* weight_storage_name(WeightStorage s) {
   return s == WeightStorage::BFloat16 ? "bfloat16" : "native";
-}
-
-/// The bfloat16 nearest to `value` (ties to even); NaN stays NaN, overflow rounds to infinity.
-inline std::uint16_t round_to_bfloat16(float value) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<std::uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<std::uint16_t>(bits >> 16);
-}
-
-/// The float whose upper half is `b` (exact).
-inline float widen_bfloat16(std::uint16_t b) {
-  const std::uint32_t bits = static_cast<std::uint32_t>(b) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
 }
 
 template <class T>
@@ -90,7 +73,7 @@ class WeightMatrix {
     for (Index i = 0; i < w.rows(); ++i)
       for (Index j = 0; j < cols_; ++j)
         bf16_[static_cast<std::size_t>((first + i) * cols_ + j)] =
-            round_to_bfloat16(static_cast<float>(w(i, j)));
+            float_to_bfloat16(static_cast<float>(w(i, j)));
   }
   void set(const ConstRowsRef<T>& w) { set_rows(0, w); }
 
@@ -132,7 +115,7 @@ class WeightMatrix {
     for (Index i = 0; i < n; ++i) {
       const std::uint16_t* s = src + i * src_stride;
       T* o = dst + i * dst_stride;
-      for (Index j = 0; j < m; ++j) o[j] = static_cast<T>(widen_bfloat16(s[j]));
+      for (Index j = 0; j < m; ++j) o[j] = static_cast<T>(bfloat16_to_float(s[j]));
     }
   }
 
