@@ -555,4 +555,226 @@ TEST(Checkpoint, LoadsFromAFileOnDisk) {
   EXPECT_EQ(layer.out_proj_bias(), as_vector<float>(entries[3]));
 }
 
+// ---- saving, load_layer, sharded checkpoints, routing records ------------------------------------
+
+bool same_bits(const moh::Tensor3<float>& a, const moh::Tensor3<float>& b) {
+  return a.dimensions() == b.dimensions() &&
+         std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<std::size_t>(a.size())) == 0;
+}
+
+moh::Tensor3<float> random_input(Index B, Index T, Index D, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  moh::Tensor3<float> x(B, T, D);
+  for (Index i = 0; i < x.size(); ++i) x.data()[i] = dist(rng);
+  return x;
+}
+
+moh::MoHConfig llama_moh() {
+  moh::MoHConfig c;
+  c.embed_dim = 32;
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.shared_heads = 2;
+  c.active_routed_heads = 3;
+  c.router = moh::MoHRouter::QueryNorm;
+  c.bias = false;
+  c.rope = true;
+  c.rope_base = 500000.0;
+  return c;
+}
+
+moh::MoAConfig small_moa() {
+  moh::MoAConfig c;
+  c.embed_dim = 24;
+  c.head_dim = 8;
+  c.num_experts = 5;
+  c.top_k = 2;
+  c.gating = moh::MoAGating::TopKSoftmax;
+  return c;
+}
+
+// Saving then load_layer() rebuilds the same layer: config and weights, so the same output bits.
+TEST(CheckpointSave, EveryLayerRoundTripsThroughAFile) {
+  moh::MhaConfig mha_config = small_mha();
+  mha_config.head_dim = 4;  // RoPE needs an even head size
+  mha_config.num_kv_heads = 1;
+  mha_config.rope = true;
+  const moh::MultiHeadAttention<float> mha(mha_config, 1);
+  moh::MoHConfig learned;
+  learned.embed_dim = 24;
+  learned.num_heads = 6;
+  learned.head_dim = 5;
+  learned.shared_heads = 2;
+  learned.active_routed_heads = 2;
+  const moh::MoHAttention<float> moh_learned(learned, 2);
+  moh::MoHConfig bf16 = llama_moh();
+  bf16.weight_storage = moh::WeightStorage::BFloat16;
+  const moh::MoHAttention<float> moh_llama(bf16, 3);
+  const moh::MoAAttention<float> moa(small_moa(), 4);
+
+  moh::SafeTensorsWriter w;
+  moh::save_weights(w, mha, "blocks.0.attn.");
+  moh::save_weights(w, moh_learned, "blocks.1.attn.");
+  moh::save_weights(w, moh_llama, "layers.0.self_attn.", moh::DType::BF16);  // exact: bf16 values
+  moh::save_weights(w, moa, "blocks.2.attn.");
+  const std::string path = ::testing::TempDir() + "moh_checkpoint_save_roundtrip.safetensors";
+  w.write(path);
+  const moh::SafeTensors st = moh::SafeTensors::open(path);
+  std::remove(path.c_str());
+
+  const auto mha2 = moh::load_layer<moh::MultiHeadAttention<float>>(st, "blocks.0.attn.");
+  const auto learned2 = moh::load_layer<moh::MoHAttention<float>>(st, "blocks.1.attn.");
+  const auto llama2 = moh::load_layer<moh::MoHAttention<float>>(st, "layers.0.self_attn.");
+  const auto moa2 = moh::load_layer<moh::MoAAttention<float>>(st, "blocks.2.attn.");
+  EXPECT_EQ(mha2.num_kv_heads(), 1);
+  EXPECT_TRUE(mha2.config().rope);
+  EXPECT_EQ(learned2.config().head_dim, 5);
+  EXPECT_EQ(llama2.config().router, moh::MoHRouter::QueryNorm);
+  EXPECT_EQ(llama2.config().weight_storage, moh::WeightStorage::BFloat16);
+  EXPECT_EQ(llama2.config().rope_base, 500000.0);
+  EXPECT_EQ(moa2.config().gating, moh::MoAGating::TopKSoftmax);
+  EXPECT_EQ(st.info("layers.0.self_attn.qkv.weight").dtype, moh::DType::BF16);
+
+  moh::ForwardOptions o;
+  o.causal = true;
+  EXPECT_TRUE(same_bits(mha2(random_input(2, 7, 8, 5), o), mha(random_input(2, 7, 8, 5), o)));
+  EXPECT_TRUE(same_bits(learned2(random_input(2, 7, 24, 6), o), moh_learned(random_input(2, 7, 24, 6), o)));
+  EXPECT_TRUE(same_bits(llama2(random_input(1, 9, 32, 7), o), moh_llama(random_input(1, 9, 32, 7), o)));
+  EXPECT_TRUE(same_bits(moa2(random_input(2, 7, 24, 8), o), moa(random_input(2, 7, 24, 8), o)));
+}
+
+// The same layers spread over shards with a Hugging Face index load identically.
+TEST(CheckpointSave, LoadsLayersFromAShardedCheckpoint) {
+  const moh::MoHAttention<float> a(llama_moh(), 11);
+  const moh::MoAAttention<float> b(small_moa(), 12);
+  const std::string dir = ::testing::TempDir();
+  const std::string stem = "moh_checkpoint_shards_";
+  moh::SafeTensorsWriter w1, w2;
+  moh::save_weights(w1, a, "model.layers.0.");
+  moh::save_weights(w2, b, "model.layers.1.");
+  w1.write(dir + stem + "1.safetensors");
+  w2.write(dir + stem + "2.safetensors");
+  nlohmann::json index = {{"metadata", {{"total_size", 0},
+                                        {moh::config_key("model.layers.0."),
+                                         moh::SafeTensors::open(dir + stem + "1.safetensors")
+                                             .metadata_value(moh::config_key("model.layers.0."))},
+                                        {moh::config_key("model.layers.1."),
+                                         moh::SafeTensors::open(dir + stem + "2.safetensors")
+                                             .metadata_value(moh::config_key("model.layers.1."))}}},
+                          {"weight_map", nlohmann::json::object()}};
+  for (const std::string& n : moh::SafeTensors::open(dir + stem + "1.safetensors").names())
+    index["weight_map"][n] = stem + "1.safetensors";
+  for (const std::string& n : moh::SafeTensors::open(dir + stem + "2.safetensors").names())
+    index["weight_map"][n] = stem + "2.safetensors";
+  const std::string index_path = dir + stem + "model.safetensors.index.json";
+  std::ofstream(index_path) << index.dump(2);
+
+  const moh::ShardedSafeTensors ckpt = moh::ShardedSafeTensors::open(index_path);
+  const auto a2 = moh::load_layer<moh::MoHAttention<float>>(ckpt, "model.layers.0.");
+  moh::MoAAttention<float> b2(small_moa());
+  moh::load_weights(b2, ckpt, "model.layers.1.");
+  for (const char* f : {"1.safetensors", "2.safetensors", "model.safetensors.index.json"})
+    std::remove((dir + stem + f).c_str());
+  EXPECT_TRUE(same_bits(a2(random_input(1, 5, 32, 9)), a(random_input(1, 5, 32, 9))));
+  EXPECT_TRUE(same_bits(b2(random_input(1, 5, 24, 9)), b(random_input(1, 5, 24, 9))));
+}
+
+// A stored config that is not a valid layer config is a moh::Error naming the problem.
+TEST(CheckpointSave, MalformedStoredConfigThrows) {
+  const moh::MoHAttention<float> layer(llama_moh(), 1);
+  moh::SafeTensorsWriter good;
+  moh::save_weights(good, layer);
+  const nlohmann::json config = nlohmann::json::parse(
+      moh::SafeTensors::from_bytes(good.to_bytes()).metadata_value(moh::config_key("")));
+  auto load_with = [&](const std::string& text) {
+    moh::SafeTensorsWriter w;
+    moh::save_weights(w, layer);
+    w.set_metadata(moh::config_key(""), text);
+    const moh::SafeTensors st = moh::SafeTensors::from_bytes(w.to_bytes(), "edited");
+    return error_of([&] { moh::load_layer<moh::MoHAttention<float>>(st); });
+  };
+  auto edited = [&](const char* key, const nlohmann::json& value) {
+    nlohmann::json j = config;
+    j[key] = value;
+    return j.dump();
+  };
+  struct Bad { std::string text; const char* mentions; };
+  const std::vector<Bad> cases = {
+      {"{not json", "invalid JSON"},
+      {"[1, 2]", "JSON object"},
+      {std::string(200, '[') + std::string(200, ']'), "nesting"},
+      {edited("layer", "MoAAttention"), "MoHAttention"},
+      {edited("num_heads", "8"), "num_heads"},
+      {edited("num_heads", 2.5), "num_heads"},
+      {edited("num_heads", -8), "num_heads"},
+      {edited("num_heads", 1LL << 40), "num_heads"},
+      {edited("router", "clever"), "router"},
+      {edited("bias", 1), "bias"},
+      {edited("weight_storage", "int4"), "weight_storage"},
+      {edited("num_heads_typo", 8), "num_heads_typo"},
+      {edited("shared_heads", 9), "shared_heads"},        // more shared heads than heads
+      {edited("num_kv_heads", 3), "num_kv_heads"},        // does not divide 8
+      {edited("rope_base", -1.0), "rope_base"},
+      {edited("head_dim", 3), "even head_dim"},           // RoPE needs an even head size
+  };
+  for (const Bad& bad : cases) {
+    const std::string msg = load_with(bad.text);
+    EXPECT_NE(msg.find(bad.mentions), std::string::npos) << bad.text.substr(0, 80) << ": " << msg;
+  }
+  moh::SafeTensorsWriter none;
+  none.add("x", std::vector<float>{1.0f}, {1});
+  const std::string msg = error_of([&] {
+    moh::load_layer<moh::MoHAttention<float>>(moh::SafeTensors::from_bytes(none.to_bytes()), "p.");
+  });
+  EXPECT_NE(msg.find("p.moh.config"), std::string::npos) << msg;
+}
+
+TEST(CheckpointSave, RoutingRecordsRoundTrip) {
+  moh::MoHConfig c = llama_moh();
+  c.router = moh::MoHRouter::Learned;
+  c.rope = false;
+  const moh::MoHAttention<float> moh_layer(c, 21);
+  const moh::MoAAttention<float> moa_layer(small_moa(), 22);
+  moh::MoHRouting<float> r;
+  moh::MoARouting<float> m;
+  moh_layer(random_input(2, 6, 32, 1), {}, &r);
+  moa_layer(random_input(2, 6, 24, 2), {}, &m);
+  moh::SafeTensorsWriter w;
+  moh::save_routing(w, r, "moh.");
+  moh::save_routing(w, m, "moa.");
+  const moh::SafeTensors st = moh::SafeTensors::from_bytes(w.to_bytes());
+  moh::MoHRouting<float> r2;
+  moh::MoARouting<float> m2;
+  moh::load_routing(st, r2, "moh.");
+  moh::load_routing(st, m2, "moa.");
+  EXPECT_EQ(r2.batch, 2);
+  EXPECT_EQ(r2.tokens, 6);
+  EXPECT_EQ(r2.shared_heads, r.shared_heads);
+  EXPECT_EQ(r2.active_routed_heads, r.active_routed_heads);
+  EXPECT_EQ(r2.gates, r.gates);
+  EXPECT_EQ(r2.active, r.active);
+  EXPECT_EQ(r2.routed_probs, r.routed_probs);
+  EXPECT_EQ(r2.head_counts, r.head_counts);
+  EXPECT_EQ(r2.load_balance_loss, r.load_balance_loss);
+  EXPECT_EQ(m2.logits, m.logits);
+  EXPECT_EQ(m2.probs, m.probs);
+  EXPECT_EQ(m2.gates, m.gates);
+  EXPECT_EQ(m2.selected, m.selected);
+  EXPECT_EQ(m2.expert_counts, m.expert_counts);
+  EXPECT_EQ(m2.switch_loss, m.switch_loss);
+  EXPECT_EQ(m2.z_loss, m.z_loss);
+  EXPECT_EQ(m2.cv_loss, m.cv_loss);
+
+  // A record of the other kind, or an expert index out of range, is an error.
+  EXPECT_NE(error_of([&] { moh::load_routing(st, r2, "moa."); }).find("moh routing"), std::string::npos);
+  moh::MoARouting<float> bad = m;
+  bad.selected(0, 0) = 99;
+  moh::SafeTensorsWriter wb;
+  moh::save_routing(wb, bad, "moa.");
+  const std::string msg = error_of(
+      [&] { moh::load_routing(moh::SafeTensors::from_bytes(wb.to_bytes()), m2, "moa."); });
+  EXPECT_NE(msg.find("expert index"), std::string::npos) << msg;
+}
+
 }  // namespace
