@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "moh/detail/gemm.hpp"
 #include "moh/tensor.hpp"
 #include "moh/thread_pool.hpp"
 
@@ -17,11 +18,14 @@ using RowsRef = Eigen::Ref<Matrix<T>, 0, Eigen::OuterStride<>>;
 template <class T>
 using ConstRowsRef = Eigen::Ref<const Matrix<T>, 0, Eigen::OuterStride<>>;
 
-/// Y[N, out] = X[N, in] W[out, in]^T (+ bias[out] when `bias` is not null). One GEMM.
+/// Y[N, out] = X[N, in] W[out, in]^T (+ bias[out] when `bias` is not null) on this thread:
+/// one GEMM (detail/gemm.hpp), or dot products against W's rows for a few rows of X.
 template <class T>
 void linear(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, const T* bias, RowsRef<T> Y) {
   eigen_assert(X.cols() == W.cols() && Y.rows() == X.rows() && Y.cols() == W.rows());
-  Y.noalias() = X * W.transpose();
+  detail::multiply<T>(X.data(), X.outerStride(),
+                      detail::GemmB<T>{W.data(), nullptr, W.outerStride(), true}, Y.data(),
+                      Y.outerStride(), X.rows(), W.rows(), X.cols(), false);
   if (bias != nullptr) {
     Y.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, W.rows());
   }

@@ -31,6 +31,8 @@ enum class ScratchSlot : std::size_t {
   GatherRows,     // per task: gathered input rows [tile, D]
   PartialOutput,  // per task: [tile, D]
   WeightTile,     // per block: bfloat16 weights widened to T (WeightMatrix::block)
+  GemmPackA,      // per GEMM: packed panels of A (detail/gemm.hpp)
+  GemmPackB,      // per GEMM: packed panels of B
   Count
 };
 

@@ -3,9 +3,10 @@
 // bfloat16 storage keeps the upper 16 bits of each float (weights rounded to nearest, ties to
 // even), halving the bytes a projection reads: when decoding one token at a time, the
 // projections stream every weight once per step and that traffic is the cost. Compute stays in
-// T: a block of bfloat16 weights is widened into a per-thread tile (64 K elements at most, so it
-// stays in the core's cache) just before the GEMM that uses it. Tiles depend on the shape only,
-// so results do not depend on the thread count.
+// T: the GEMM widens bfloat16 weights while it packs them, a decode step widens them in
+// registers as it reads them (detail/gemm.hpp), and block() widens a block into a per-thread
+// tile (64 K elements at most) for the products that take a plain matrix. None of this depends
+// on the thread count.
 #pragma once
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <immintrin.h>
 #endif
 
+#include "moh/detail/gemm.hpp"
 #include "moh/float16.hpp"
 #include "moh/linear.hpp"
 #include "moh/scratch.hpp"
@@ -98,6 +100,20 @@ class WeightMatrix {
     return ConstStridedMap<T>(tile, n, m, Eigen::OuterStride<>(m));
   }
 
+  /// This matrix from element (r0, c0) on as the B operand of detail::gemm(): B = W^T
+  /// (B(k, n) = W(r0 + n, c0 + k)) when `transposed`, else B(k, n) = W(r0 + k, c0 + n).
+  detail::GemmB<T> operand(Index r0, Index c0, bool transposed) const {
+    eigen_assert(r0 >= 0 && c0 >= 0 && r0 <= rows_ && c0 <= cols_);
+    detail::GemmB<T> b;
+    b.ld = cols_;
+    b.transposed = transposed;
+    if (storage_ == WeightStorage::Native)
+      b.values = native_.data() + r0 * cols_ + c0;
+    else
+      b.bf16 = bf16_.data() + r0 * cols_ + c0;
+    return b;
+  }
+
   /// Calls fn(i, j, block) for blocks that cover [r0, r0 + n) x [c0, c0 + m) in row-major
   /// order, block starting at (r0 + i, c0 + j): one view of everything for native storage,
   /// widened tiles of at most kTileElements for bfloat16. The tiling depends on the shape only.
@@ -142,128 +158,15 @@ class WeightMatrix {
   std::vector<std::uint16_t> bf16_;  // [rows, cols] row-major when BFloat16
 };
 
-namespace detail {
-/// Rows of X (at most kFewRows of them) times bfloat16 rows straight from storage: each weight
-/// is widened in registers as it is read, so decoding streams 2 bytes per weight and nothing
-/// else. Y[r, j] = sum_k X[r, k] W[j, k] (+ bias[j]), summed in kLanes interleaved partial sums.
-constexpr Index kBf16FewRows = 4;
-#if defined(__AVX512F__) || defined(__AVX2__)
-/// The float case of bf16_rows_product with SIMD: widen 16 (AVX-512) or 8 (AVX2) weights per
-/// step with a zero-extend and a shift, then one fused multiply-add per row of X.
-inline void bf16_rows_product_simd(const ConstRowsRef<float>& X, const std::uint16_t* W,
-                                   Index w_stride, Index count, const float* bias,
-                                   RowsRef<float> Y) {
-  const Index n = X.rows(), in = X.cols();
-#if defined(__AVX512F__)
-  constexpr Index kStep = 16;
-  using Vec = __m512;
-  auto widen = [](const std::uint16_t* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  };
-  auto load = [](const float* p) { return _mm512_loadu_ps(p); };
-  auto fma = [](Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); };
-  auto zero = [] { return _mm512_setzero_ps(); };
-  auto reduce = [](Vec v) { return _mm512_reduce_add_ps(v); };
-#else
-  constexpr Index kStep = 8;
-  using Vec = __m256;
-  auto widen = [](const std::uint16_t* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  };
-  auto load = [](const float* p) { return _mm256_loadu_ps(p); };
-  auto fma = [](Vec a, Vec b, Vec c) { return _mm256_add_ps(_mm256_mul_ps(a, b), c); };
-  auto zero = [] { return _mm256_setzero_ps(); };
-  auto reduce = [](Vec v) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, v);
-    float s = 0;
-    for (float l : lanes) s += l;
-    return s;
-  };
-#endif
-  // kGroup weight rows at a time, one accumulator each: independent FMA chains hide latency.
-  constexpr Index kGroup = 8;
-  const Index whole = in / kStep * kStep;
-  for (Index r = 0; r < n; ++r) {
-    const float* x = X.row(r).data();
-    for (Index j0 = 0; j0 < count; j0 += kGroup) {
-      const Index g = std::min(kGroup, count - j0);
-      Vec acc[kGroup];
-      for (Index jj = 0; jj < kGroup; ++jj) acc[jj] = zero();
-      if (g == kGroup) {
-        for (Index k = 0; k < whole; k += kStep) {
-          const Vec xv = load(x + k);
-          for (Index jj = 0; jj < kGroup; ++jj)
-            acc[jj] = fma(xv, widen(W + (j0 + jj) * w_stride + k), acc[jj]);
-        }
-      } else {
-        for (Index jj = 0; jj < g; ++jj)
-          for (Index k = 0; k < whole; k += kStep)
-            acc[jj] = fma(load(x + k), widen(W + (j0 + jj) * w_stride + k), acc[jj]);
-      }
-      for (Index jj = 0; jj < g; ++jj) {
-        const std::uint16_t* w = W + (j0 + jj) * w_stride;
-        float sum = reduce(acc[jj]) + (bias ? bias[j0 + jj] : 0.0f);
-        for (Index k = whole; k < in; ++k) sum += x[k] * bfloat16_to_float(w[k]);
-        Y(r, j0 + jj) = sum;
-      }
-    }
-  }
-}
-#endif
-
-template <class T>
-void bf16_rows_product(const ConstRowsRef<T>& X, const std::uint16_t* W, Index w_stride,
-                       Index count, const T* bias, RowsRef<T> Y) {
-  constexpr Index kLanes = 16;
-  const Index n = X.rows(), in = X.cols(), whole = in / kLanes * kLanes;
-  eigen_assert(n <= kBf16FewRows);
-#if defined(__AVX512F__) || defined(__AVX2__)
-  if constexpr (std::is_same<T, float>::value) {
-    bf16_rows_product_simd(X, W, w_stride, count, bias, Y);
-    return;
-  }
-#endif
-  for (Index j = 0; j < count; ++j) {
-    const std::uint16_t* w = W + j * w_stride;
-    T acc[kBf16FewRows][kLanes] = {};
-    for (Index k = 0; k < whole; k += kLanes) {
-      T wf[kLanes];
-      for (Index l = 0; l < kLanes; ++l) wf[l] = static_cast<T>(bfloat16_to_float(w[k + l]));
-      for (Index r = 0; r < n; ++r) {
-        const T* x = X.row(r).data() + k;
-        for (Index l = 0; l < kLanes; ++l) acc[r][l] += x[l] * wf[l];
-      }
-    }
-    for (Index r = 0; r < n; ++r) {
-      T sum = bias ? bias[j] : T(0);
-      for (Index l = 0; l < kLanes; ++l) sum += acc[r][l];
-      for (Index k = whole; k < in; ++k) sum += X(r, k) * static_cast<T>(bfloat16_to_float(w[k]));
-      Y(r, j) = sum;
-    }
-  }
-}
-}  // namespace detail
-
-/// Y[N, count] = X[N, in] W[first : first + count, :]^T (+ bias[count]) on this thread.
+/// Y[N, count] = X[N, in] W[first : first + count, :]^T (+ bias[count]) on this thread, read
+/// straight from W's storage (bfloat16 is widened as it is packed or loaded).
 template <class T>
 void linear(const ConstRowsRef<T>& X, const WeightMatrix<T>& W, Index first, Index count,
             const T* bias, RowsRef<T> Y) {
   eigen_assert(X.cols() == W.cols() && Y.rows() == X.rows() && Y.cols() == count);
-  if (W.storage() == WeightStorage::BFloat16 && X.rows() <= detail::kBf16FewRows) {
-    detail::bf16_rows_product<T>(X, W.bf16_data() + first * W.cols(), W.cols(), count, bias, Y);
-    return;
-  }
-  W.for_each_block(first, count, 0, W.cols(), [&](Index i, Index j, const ConstStridedMap<T>& w) {
-    auto y = Y.middleCols(i, w.rows());
-    if (j == 0) {
-      linear<T>(X.middleCols(j, w.cols()), w, bias ? bias + i : nullptr, y);
-    } else {
-      y.noalias() += X.middleCols(j, w.cols()) * w.transpose();
-    }
-  });
+  detail::multiply<T>(X.data(), X.outerStride(), W.operand(first, 0, true), Y.data(),
+                      Y.outerStride(), X.rows(), count, X.cols(), false);
+  if (bias != nullptr) Y.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, count);
 }
 
 /// The same split over linear()'s fixed tiles of Y and run on `pool`.

@@ -189,10 +189,8 @@ class Projections {
   }
   /// P[n, D] += O_h[n, d] Wo[:, h d : (h+1) d]^T (no bias).
   void add_out_head(Index h, const ConstRowsRef<T>& O, RowsRef<T> P) const {
-    out_w_.for_each_block(0, g_.D, h * g_.d, g_.d,
-                          [&](Index i, Index j, const ConstStridedMap<T>& w) {
-                            P.middleCols(i, w.rows()).noalias() += O.middleCols(j, w.cols()) * w.transpose();
-                          });
+    multiply<T>(O.data(), O.outerStride(), out_w_.operand(0, h * g_.d, true), P.data(),
+                P.outerStride(), O.rows(), g_.D, g_.d, true);
   }
   /// Y rows = output bias (or zero), before routed heads are added.
   void init_output(RowsRef<T> Y) const {

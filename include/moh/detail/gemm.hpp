@@ -1,0 +1,316 @@
+// A packed, register-tiled GEMM for the projections: C[M, N] (+)= A[M, K] B, where B is read
+// from a weight matrix stored in T or in bfloat16, either as [K, N] or as the transpose of a
+// [N, K] matrix (torch.nn.Linear's layout, so Y = X W^T needs no copy of W).
+//
+// Three-level blocking: B is packed per (KC x NC) block into panels of NR columns (bfloat16 is
+// widened to T while packing, so it costs nothing extra), A per (MC x KC) block into panels of MR
+// rows, and a micro-kernel keeps an MR x NR tile of C in vector registers over KC. The packs live
+// in the thread's scratch arena, so nothing is allocated once warm.
+//
+// Every element of C is one chain of fused multiply-adds over k = 0 .. K-1 in order, starting
+// from C (accumulate) or zero, whatever the blocking, the edge handling or the thread that runs
+// it. A row of C therefore does not depend on which other rows or columns are computed in the
+// same call, and splitting a product into tiles (for threads) gives bitwise the same result.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "moh/float16.hpp"
+#include "moh/scratch.hpp"
+#include "moh/tensor.hpp"
+
+namespace moh {
+namespace detail {
+
+/// The B operand of gemm(): element (k, n) of B is
+///   src[n * ld + k] when `transposed` (B = W^T for a row-major W[N, K]), else src[k * ld + n],
+/// where src is `values` (T) or, when that is null, `bf16` (bfloat16 bits, widened exactly).
+template <class T>
+struct GemmB {
+  const T* values = nullptr;
+  const std::uint16_t* bf16 = nullptr;
+  Index ld = 0;
+  bool transposed = false;
+
+  /// The same matrix without its first `k` rows and `n` columns.
+  GemmB offset(Index k, Index n) const {
+    GemmB b = *this;
+    const Index at = transposed ? n * ld + k : k * ld + n;
+    if (values != nullptr)
+      b.values += at;
+    else
+      b.bf16 += at;
+    return b;
+  }
+};
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+
+template <class T>
+using GemmPacket = typename Eigen::internal::packet_traits<T>::type;
+
+/// Blocking of gemm() for T on this target: the micro-kernel holds MR rows x NP packets of C.
+template <class T>
+struct GemmShape {
+  static constexpr Index L = Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
+#if defined(EIGEN_VECTORIZE_AVX512)
+  // 32 vector registers: 24 accumulators, 4 packets of B, a broadcast of A. Measured on Zen 5
+  // against 14 x 2, 12 x 2, 9 x 3 and 8 x 3 at the projection shapes: 6 x 4 and 8 x 3 lead,
+  // and 6 x 4's 64 columns fit head-sized blocks exactly.
+  static constexpr int MR = 6, NP = 4;
+#else
+  // 16 vector registers (AVX, SSE) or a scalar fallback: 12 accumulators.
+  static constexpr int MR = 6, NP = 2;
+#endif
+  static constexpr Index NR = NP * L;
+  static constexpr Index KC = 256;      // depth of a packed block
+  static constexpr Index MC = 16 * MR;  // rows of A packed at a time (stays in L2)
+  static constexpr Index NC = 8 * NR;   // columns of B packed at a time (stays in L2)
+};
+
+/// C[MR, NR] = (accumulate ? C : 0) + Ap[kc, MR] Bp[kc, NR]; C rows at stride ldc.
+template <class T, int MR, int NP>
+inline void gemm_micro(const T* Ap, const T* Bp, Index kc, T* C, Index ldc, bool accumulate) {
+  using P = GemmPacket<T>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
+  P acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p)
+      acc[r][p] = accumulate ? Eigen::internal::ploadu<P>(C + r * ldc + p * L)
+                             : Eigen::internal::pset1<P>(T(0));
+  for (Index k = 0; k < kc; ++k) {
+    P b[NP];
+    for (int p = 0; p < NP; ++p) b[p] = Eigen::internal::pload<P>(Bp + p * L);
+    for (int r = 0; r < MR; ++r) {
+      const P a = Eigen::internal::pset1<P>(Ap[r]);
+      for (int p = 0; p < NP; ++p) acc[r][p] = Eigen::internal::pmadd(a, b[p], acc[r][p]);
+    }
+    Ap += MR;
+    Bp += NP * L;
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) Eigen::internal::pstoreu(C + r * ldc + p * L, acc[r][p]);
+}
+
+/// One packet of T from L consecutive elements at p (T or bfloat16, widened).
+template <class T>
+inline GemmPacket<T> load_packet(const T* p) {
+  return Eigen::internal::ploadu<GemmPacket<T>>(p);
+}
+template <class T>
+inline GemmPacket<T> load_packet(const std::uint16_t* p) {
+  using P = GemmPacket<T>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<P, __m512>::value) {  // a float's bits are the bfloat16's, shifted
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (std::is_same<P, __m256>::value) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+#endif
+  alignas(64) T wide[L];
+  for (Index i = 0; i < L; ++i) wide[i] = static_cast<T>(bfloat16_to_float(p[i]));
+  return Eigen::internal::pload<P>(wide);
+}
+template <class T>
+inline T load_scalar(const T* p) {
+  return *p;
+}
+template <class T>
+inline T load_scalar(const std::uint16_t* p) {
+  return static_cast<T>(bfloat16_to_float(*p));
+}
+
+/// dst[k * ldd + j] = src[j * lds + k] for j < rows, k < cols: a transposing copy in square
+/// blocks of one packet, transposed in registers. Src is T or bfloat16.
+template <class T, class Src>
+void pack_transposed(const Src* src, Index lds, Index rows, Index cols, T* dst, Index ldd) {
+  using P = GemmPacket<T>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
+  Index j = 0;
+  if constexpr (L > 1) {
+    for (; j + L <= rows; j += L) {
+      Index k = 0;
+      for (; k + L <= cols; k += L) {
+        Eigen::internal::PacketBlock<P, L> block;
+        for (Index i = 0; i < L; ++i) block.packet[i] = load_packet<T>(src + (j + i) * lds + k);
+        Eigen::internal::ptranspose(block);
+        for (Index i = 0; i < L; ++i) Eigen::internal::pstoreu(dst + (k + i) * ldd + j, block.packet[i]);
+      }
+      for (; k < cols; ++k)
+        for (Index i = 0; i < L; ++i) dst[k * ldd + j + i] = load_scalar<T>(src + (j + i) * lds + k);
+    }
+  }
+  for (; j < rows; ++j)
+    for (Index k = 0; k < cols; ++k) dst[k * ldd + j] = load_scalar<T>(src + j * lds + k);
+}
+
+/// dst[k * ldd + j] = src[k * lds + j] for k < rows, j < cols. Src is T or bfloat16.
+template <class T, class Src>
+void pack_rows(const Src* src, Index lds, Index rows, Index cols, T* dst, Index ldd) {
+  constexpr Index L = Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
+  for (Index k = 0; k < rows; ++k) {
+    const Src* s = src + k * lds;
+    T* o = dst + k * ldd;
+    Index j = 0;
+    for (; j + L <= cols; j += L) Eigen::internal::pstoreu(o + j, load_packet<T>(s + j));
+    for (; j < cols; ++j) o[j] = load_scalar<T>(s + j);
+  }
+}
+
+/// Packs B[0 : kc, 0 : w] into a panel [kc, NR] (columns w .. NR zero).
+template <class T>
+void pack_b_panel(const GemmB<T>& b, Index kc, Index w, Index NR, T* panel) {
+  if (b.transposed) {
+    if (b.values)
+      pack_transposed<T>(b.values, b.ld, w, kc, panel, NR);
+    else
+      pack_transposed<T>(b.bf16, b.ld, w, kc, panel, NR);
+  } else if (b.values) {
+    pack_rows<T>(b.values, b.ld, kc, w, panel, NR);
+  } else {
+    pack_rows<T>(b.bf16, b.ld, kc, w, panel, NR);
+  }
+  if (w < NR)
+    for (Index k = 0; k < kc; ++k) std::fill(panel + k * NR + w, panel + (k + 1) * NR, T(0));
+}
+
+/// C[M, N] (+)= A[M, K] B on this thread; A and C row-major at strides lda, ldc. Packs and
+/// tiles; see multiply() for few rows.
+template <class T>
+void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N, Index K,
+          bool accumulate) {
+  using S = GemmShape<T>;
+  constexpr Index MR = S::MR, NR = S::NR, KC = S::KC, MC = S::MC, NC = S::NC;
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!accumulate)
+      for (Index i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, T(0));
+    return;
+  }
+  const Index nc_max = std::min(NC, (N + NR - 1) / NR * NR);
+  const Index mc_max = std::min(MC, (M + MR - 1) / MR * MR);
+  const Index kc_max = std::min(KC, K);
+  T* bp = scratch_matrix<T>(ScratchSlot::GemmPackB, kc_max, nc_max).data();
+  T* ap = scratch_matrix<T>(ScratchSlot::GemmPackA, kc_max, mc_max).data();
+  alignas(64) T edge[MR * NR] = {};
+
+  for (Index j0 = 0; j0 < N; j0 += NC) {
+    const Index nc = std::min(NC, N - j0);
+    for (Index k0 = 0; k0 < K; k0 += KC) {
+      const Index kc = std::min(KC, K - k0);
+      const bool acc = accumulate || k0 > 0;
+      for (Index jp = 0; jp < nc; jp += NR)
+        pack_b_panel<T>(B.offset(k0, j0 + jp), kc, std::min(NR, nc - jp), NR, bp + jp * kc);
+      for (Index i0 = 0; i0 < M; i0 += MC) {
+        const Index mc = std::min(MC, M - i0);
+        // A[i0 : i0 + mc, k0 : k0 + kc] as panels [kc, MR], rows past M zero.
+        for (Index ip = 0; ip < mc; ip += MR) {
+          const Index h = std::min(MR, mc - ip);
+          T* panel = ap + ip * kc;
+          pack_transposed<T>(A + (i0 + ip) * lda + k0, lda, h, kc, panel, MR);
+          for (Index r = h; r < MR; ++r)
+            for (Index k = 0; k < kc; ++k) panel[k * MR + r] = T(0);
+        }
+        for (Index jp = 0; jp < nc; jp += NR) {
+          const Index w = std::min(NR, nc - jp);
+          for (Index ip = 0; ip < mc; ip += MR) {
+            const Index h = std::min(MR, mc - ip);
+            T* c = C + (i0 + ip) * ldc + j0 + jp;
+            if (h == MR && w == NR) {
+              gemm_micro<T, S::MR, S::NP>(ap + ip * kc, bp + jp * kc, kc, c, ldc, acc);
+              continue;
+            }
+            // Edge tile: through a full-size tile that starts from C's values, so each element
+            // is the same chain as in a whole tile.
+            for (Index r = 0; r < h; ++r)
+              for (Index j = 0; j < w; ++j) edge[r * NR + j] = acc ? c[r * ldc + j] : T(0);
+            gemm_micro<T, S::MR, S::NP>(ap + ip * kc, bp + jp * kc, kc, edge, NR, true);
+            for (Index r = 0; r < h; ++r)
+              for (Index j = 0; j < w; ++j) c[r * ldc + j] = edge[r * NR + j];
+          }
+        }
+      }
+    }
+  }
+}
+
+/// Rows of A that rows_product() handles (decode steps); more go to gemm().
+constexpr Index kFewRows = 4;
+
+/// C[n, count] (+)= A[n, K] W[count, K]^T for n <= kFewRows, straight from W's storage (T or
+/// bfloat16) without packing: each weight is read once from memory (a group of 8 weight rows
+/// stays in L1 while every row of A passes over it). Each C element sums packet-wise partial
+/// sums, then reduces them (and adds the sum to C when `accumulate`); a row of C does not depend
+/// on the other rows.
+template <class T, class Src>
+void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count, Index K,
+                  T* C, Index ldc, bool accumulate) {
+  using P = GemmPacket<T>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
+  constexpr Index kGroup = 8;  // independent accumulators hide the FMA latency
+  const Index whole = K / L * L;
+  for (Index j0 = 0; j0 < count; j0 += kGroup) {
+    const Index g = std::min(kGroup, count - j0);
+    for (Index r = 0; r < n; ++r) {
+      const T* a = A + r * lda;
+      P acc[kGroup];
+      for (Index jj = 0; jj < kGroup; ++jj) acc[jj] = Eigen::internal::pset1<P>(T(0));
+      if (g == kGroup) {
+        for (Index k = 0; k < whole; k += L) {
+          const P av = Eigen::internal::ploadu<P>(a + k);
+          for (Index jj = 0; jj < kGroup; ++jj)
+            acc[jj] = Eigen::internal::pmadd(av, load_packet<T>(W + (j0 + jj) * ldw + k), acc[jj]);
+        }
+      } else {
+        for (Index jj = 0; jj < g; ++jj)
+          for (Index k = 0; k < whole; k += L)
+            acc[jj] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(a + k),
+                                             load_packet<T>(W + (j0 + jj) * ldw + k), acc[jj]);
+      }
+      for (Index jj = 0; jj < g; ++jj) {
+        const Src* w = W + (j0 + jj) * ldw;
+        T sum = Eigen::internal::predux(acc[jj]);
+        for (Index k = whole; k < K; ++k) sum += a[k] * load_scalar<T>(w + k);
+        T& c = C[r * ldc + j0 + jj];
+        c = accumulate ? c + sum : sum;
+      }
+    }
+  }
+}
+
+/// C[M, N] (+)= A[M, K] B: rows_product() for a few rows of A against a transposed B (a decode
+/// step streams the weights once, unpacked), else gemm().
+template <class T>
+void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N,
+              Index K, bool accumulate) {
+  if (M <= kFewRows && B.transposed) {
+    if (B.values)
+      rows_product<T>(A, lda, M, B.values, B.ld, N, K, C, ldc, accumulate);
+    else
+      rows_product<T>(A, lda, M, B.bf16, B.ld, N, K, C, ldc, accumulate);
+    return;
+  }
+  gemm<T>(A, lda, B, C, ldc, M, N, K, accumulate);
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+}  // namespace detail
+}  // namespace moh

@@ -1,0 +1,209 @@
+// Tests for moh/detail/gemm.hpp: the packed GEMM and the few-rows product against a naive
+// double loop, for B given as [K, N] and as the transpose of [N, K], in T and in bfloat16, on
+// strided views, with and without accumulation, over shapes that cross every block edge (MR, NR,
+// KC, MC, NC); and the promise that each element is one in-order chain, so a row or a tile
+// computed alone is bitwise the row or tile of the whole product.
+#include "moh/detail/gemm.hpp"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "moh/float16.hpp"
+#include "reference/naive_blocks.hpp"
+
+namespace {
+
+using moh::Index;
+using moh::Matrix;
+using moh::detail::GemmB;
+using moh::detail::GemmShape;
+
+template <class T>
+bool same_bits(const Matrix<T>& a, const Matrix<T>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), sizeof(T) * static_cast<std::size_t>(a.size())) == 0;
+}
+
+// Shapes around the block sizes of the float kernel on this target.
+std::vector<std::array<Index, 3>> shapes() {
+  using S = GemmShape<float>;
+  return {{1, 1, 1},
+          {2, 3, 5},
+          {S::MR, S::NR, 7},
+          {S::MR + 1, S::NR + 1, S::KC + 1},
+          {S::MC + 5, S::NC + 3, 2 * S::KC + 17},
+          {2 * S::MC + 1, 2 * S::NC + S::NR + 1, 64},
+          {5, 3 * S::NR - 1, S::KC - 1},
+          {37, 17, 300}};
+}
+
+// B as a dense [K, N] reference in double, from `stored` laid out as the operand describes.
+Matrix<double> b_reference(const Matrix<float>& stored, bool transposed) {
+  return transposed ? Matrix<double>(stored.cast<double>().transpose())
+                    : Matrix<double>(stored.cast<double>());
+}
+
+TEST(Gemm, MatchesNaiveForBothLayoutsWithAndWithoutAccumulation) {
+  for (const auto& [M, N, K] : shapes())
+    for (bool transposed : {false, true})
+      for (bool accumulate : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " K=" << K
+                                        << " transposed=" << transposed
+                                        << " accumulate=" << accumulate);
+        const Matrix<float> A = moh_test::random_matrix<float>(M, K, 1);
+        const Matrix<float> Bs = transposed ? moh_test::random_matrix<float>(N, K, 2)
+                                            : moh_test::random_matrix<float>(K, N, 2);
+        const Matrix<float> C0 = moh_test::random_matrix<float>(M, N, 3);
+        Matrix<float> C = C0;
+        moh::detail::gemm<float>(A.data(), K, GemmB<float>{Bs.data(), nullptr, Bs.cols(), transposed},
+                                 C.data(), N, M, N, K, accumulate);
+        Matrix<double> want = A.cast<double>() * b_reference(Bs, transposed);
+        if (accumulate) want += C0.cast<double>();
+        EXPECT_LE(moh_test::max_abs_diff(C, want), 1e-6 * static_cast<double>(K + 2));
+      }
+}
+
+TEST(Gemm, ReadsStridedViewsAndLeavesTheRestOfCAlone) {
+  const Index M = 23, N = 70, K = 260, pad = 9;
+  const Matrix<float> Abig = moh_test::random_matrix<float>(M + 2, K + pad, 4);
+  const Matrix<float> Wbig = moh_test::random_matrix<float>(N + 3, K + pad, 5);
+  Matrix<float> Cbig = moh_test::random_matrix<float>(M + 4, N + pad, 6);
+  const Matrix<float> before = Cbig;
+  const float* a = Abig.data() + 1 * Abig.cols() + 2;
+  const float* w = Wbig.data() + 2 * Wbig.cols() + 3;
+  float* c = Cbig.data() + 3 * Cbig.cols() + 4;
+  moh::detail::gemm<float>(a, Abig.cols(), GemmB<float>{w, nullptr, Wbig.cols(), true}, c,
+                           Cbig.cols(), M, N, K, false);
+  const Matrix<double> want =
+      Abig.block(1, 2, M, K).cast<double>() * Wbig.block(2, 3, N, K).cast<double>().transpose();
+  EXPECT_LE(moh_test::max_abs_diff(Cbig.block(3, 4, M, N), want), 1e-6 * (K + 2));
+  // Everything outside the [M, N] block at (3, 4) is untouched.
+  Matrix<float> outside = Cbig;
+  outside.block(3, 4, M, N) = before.block(3, 4, M, N);
+  EXPECT_TRUE(same_bits(outside, before));
+}
+
+TEST(Gemm, EachElementIsOneChainWhateverTheTiling) {
+  // Rows, columns and tiles computed on their own are bitwise those of the whole product,
+  // including the edge tiles and the depth split at KC.
+  using S = GemmShape<float>;
+  const Index M = 2 * S::MC + 7, N = S::NC + S::NR + 5, K = 2 * S::KC + 3;
+  for (bool transposed : {false, true}) {
+    const Matrix<float> A = moh_test::random_matrix<float>(M, K, 7);
+    const Matrix<float> Bs = transposed ? moh_test::random_matrix<float>(N, K, 8)
+                                        : moh_test::random_matrix<float>(K, N, 8);
+    const GemmB<float> B{Bs.data(), nullptr, Bs.cols(), transposed};
+    Matrix<float> whole(M, N);
+    moh::detail::gemm<float>(A.data(), K, B, whole.data(), N, M, N, K, false);
+
+    Matrix<float> tiled(M, N);
+    const Index rows[] = {0, 1, S::MR + 2, S::MC + 3, M};
+    const Index cols[] = {0, 3, S::NR + 1, N};
+    for (int i = 0; i + 1 < 5; ++i)
+      for (int j = 0; j + 1 < 4; ++j) {
+        const Index r0 = rows[i], c0 = cols[j];
+        moh::detail::gemm<float>(A.data() + r0 * K, K, B.offset(0, c0), tiled.data() + r0 * N + c0,
+                                 N, rows[i + 1] - r0, cols[j + 1] - c0, K, false);
+      }
+    EXPECT_TRUE(same_bits(tiled, whole)) << "transposed=" << transposed;
+
+    // Accumulating the depth in two calls is the same chain as one call.
+    Matrix<float> split(M, N);
+    const Index k1 = S::KC + 5;
+    moh::detail::gemm<float>(A.data(), K, B, split.data(), N, M, N, k1, false);
+    moh::detail::gemm<float>(A.data() + k1, K, B.offset(k1, 0), split.data(), N, M, N, K - k1,
+                             true);
+    EXPECT_TRUE(same_bits(split, whole)) << "transposed=" << transposed;
+  }
+}
+
+TEST(Gemm, BFloat16OperandEqualsTheWidenedValuesExactly) {
+  for (const auto& [M, N, K] : shapes())
+    for (bool transposed : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " K=" << K
+                                      << " transposed=" << transposed);
+      const Matrix<float> A = moh_test::random_matrix<float>(M, K, 9);
+      const Matrix<float> W = transposed ? moh_test::random_matrix<float>(N, K, 10)
+                                         : moh_test::random_matrix<float>(K, N, 10);
+      std::vector<std::uint16_t> bits(static_cast<std::size_t>(W.size()));
+      Matrix<float> widened(W.rows(), W.cols());
+      for (Index i = 0; i < W.size(); ++i) {
+        bits[i] = moh::float_to_bfloat16(W.data()[i]);
+        widened.data()[i] = moh::bfloat16_to_float(bits[i]);
+      }
+      Matrix<float> from_bits(M, N), from_floats(M, N);
+      moh::detail::gemm<float>(A.data(), K, GemmB<float>{nullptr, bits.data(), W.cols(), transposed},
+                               from_bits.data(), N, M, N, K, false);
+      moh::detail::gemm<float>(A.data(), K, GemmB<float>{widened.data(), nullptr, W.cols(), transposed},
+                               from_floats.data(), N, M, N, K, false);
+      EXPECT_TRUE(same_bits(from_bits, from_floats));
+    }
+}
+
+TEST(Gemm, DoubleMatchesNaive) {
+  const Index M = 13, N = 41, K = 300;
+  const Matrix<double> A = moh_test::random_matrix<double>(M, K, 11);
+  const Matrix<double> W = moh_test::random_matrix<double>(N, K, 12);
+  Matrix<double> C(M, N);
+  moh::detail::gemm<double>(A.data(), K, GemmB<double>{W.data(), nullptr, K, true}, C.data(), N, M,
+                            N, K, false);
+  const Matrix<double> want = A * W.transpose();
+  EXPECT_LE(moh_test::max_abs_diff(C, want), 1e-13 * K);
+}
+
+TEST(Gemm, NoDepthGivesZeroOrLeavesC) {
+  Matrix<float> C = Matrix<float>::Constant(3, 4, 2.0f);
+  const float a = 0, w = 0;
+  moh::detail::gemm<float>(&a, 0, GemmB<float>{&w, nullptr, 0, true}, C.data(), 4, 3, 4, 0, true);
+  EXPECT_EQ(C, Matrix<float>::Constant(3, 4, 2.0f));
+  moh::detail::gemm<float>(&a, 0, GemmB<float>{&w, nullptr, 0, true}, C.data(), 4, 3, 4, 0, false);
+  EXPECT_EQ(C, Matrix<float>::Zero(3, 4));
+}
+
+TEST(RowsProduct, MatchesNaiveFromFloatAndBFloat16AndAccumulates) {
+  for (Index n = 1; n <= moh::detail::kFewRows; ++n)
+    for (Index K : {1, 15, 16, 17, 100, 1027})
+      for (Index count : {1, 7, 8, 9, 70}) {
+        SCOPED_TRACE(testing::Message() << "n=" << n << " K=" << K << " count=" << count);
+        const Matrix<float> A = moh_test::random_matrix<float>(n, K, 13);
+        const Matrix<float> W = moh_test::random_matrix<float>(count, K, 14);
+        const Matrix<float> C0 = moh_test::random_matrix<float>(n, count, 15);
+        Matrix<float> C = C0;
+        moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, C.data(), count,
+                                         true);
+        const Matrix<double> want = A.cast<double>() * W.cast<double>().transpose();
+        EXPECT_LE(moh_test::max_abs_diff(C, want + C0.cast<double>()), 1e-6 * (K + 2));
+
+        std::vector<std::uint16_t> bits(static_cast<std::size_t>(W.size()));
+        Matrix<double> widened(count, K);
+        for (Index i = 0; i < W.size(); ++i) {
+          bits[i] = moh::float_to_bfloat16(W.data()[i]);
+          widened.data()[i] = moh::bfloat16_to_float(bits[i]);
+        }
+        Matrix<float> Cb(n, count);
+        moh::detail::rows_product<float>(A.data(), K, n, bits.data(), K, count, K, Cb.data(),
+                                         count, false);
+        EXPECT_LE(moh_test::max_abs_diff(Cb, A.cast<double>() * widened.transpose()),
+                  1e-6 * (K + 2));
+      }
+}
+
+TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
+  const Index n = moh::detail::kFewRows, K = 333, count = 29;
+  const Matrix<float> A = moh_test::random_matrix<float>(n, K, 16);
+  const Matrix<float> W = moh_test::random_matrix<float>(count, K, 17);
+  Matrix<float> all(n, count);
+  moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, all.data(), count, false);
+  for (Index r = 0; r < n; ++r) {
+    Matrix<float> one(1, count);
+    moh::detail::rows_product<float>(A.data() + r * K, K, 1, W.data(), K, count, K, one.data(),
+                                     count, false);
+    EXPECT_TRUE(same_bits(one, Matrix<float>(all.row(r)))) << "row " << r;
+  }
+}
+
+}  // namespace
