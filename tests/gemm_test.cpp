@@ -164,6 +164,38 @@ TEST(Gemm, NoDepthGivesZeroOrLeavesC) {
   EXPECT_EQ(C, Matrix<float>::Zero(3, 4));
 }
 
+TEST(Multiply, UnpackedFewRowsGiveTheBitsOfThePackedGemm) {
+  // multiply() runs a [K, N] operand unpacked below kUnpackedRows rows: the same chain per
+  // element as gemm(), from float or bfloat16, accumulating or not.
+  using S = GemmShape<float>;
+  for (Index M : {Index(1), Index(5), Index(S::MR + 1), moh::detail::kUnpackedRows - 1})
+    for (Index N : {S::L, S::NR, S::NR + S::L, 3 * S::NR})
+      for (bool bf16 : {false, true})
+        for (bool accumulate : {false, true}) {
+          const Index K = 300;
+          SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " bf16=" << bf16
+                                          << " accumulate=" << accumulate);
+          const Matrix<float> A = moh_test::random_matrix<float>(M, K, 18);
+          const Matrix<float> W = moh_test::random_matrix<float>(K, N, 19);
+          std::vector<std::uint16_t> bits(static_cast<std::size_t>(W.size()));
+          Matrix<double> Wd(K, N);  // the values B holds
+          for (Index i = 0; i < W.size(); ++i) {
+            bits[i] = moh::float_to_bfloat16(W.data()[i]);
+            Wd.data()[i] = bf16 ? moh::bfloat16_to_float(bits[i]) : W.data()[i];
+          }
+          const GemmB<float> B = bf16 ? GemmB<float>{nullptr, bits.data(), N, false}
+                                      : GemmB<float>{W.data(), nullptr, N, false};
+          const Matrix<float> C0 = moh_test::random_matrix<float>(M, N, 20);
+          Matrix<float> unpacked = C0, packed = C0;
+          moh::detail::multiply<float>(A.data(), K, B, unpacked.data(), N, M, N, K, accumulate);
+          moh::detail::gemm<float>(A.data(), K, B, packed.data(), N, M, N, K, accumulate);
+          EXPECT_TRUE(same_bits(unpacked, packed));
+          Matrix<double> want = A.cast<double>() * Wd;
+          if (accumulate) want += C0.cast<double>();
+          EXPECT_LE(moh_test::max_abs_diff(unpacked, want), 1e-6 * (K + 2));
+        }
+}
+
 TEST(RowsProduct, MatchesNaiveFromFloatAndBFloat16AndAccumulates) {
   for (Index n = 1; n <= moh::detail::kFewRows; ++n)
     for (Index K : {1, 15, 16, 17, 100, 1027})

@@ -75,10 +75,8 @@ struct AttentionScratch {
 namespace detail {
 
 template <class T>
-using Packet = typename Eigen::internal::packet_traits<T>::type;
-template <class T>
 constexpr Index packet_size() {
-  return Eigen::internal::unpacket_traits<Packet<T>>::size;
+  return Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
 }
 // Register tile of the attention products: kTileRows rows x 2 packets of columns, i.e. 16
 // accumulators with 32 vector registers (AVX-512), 8 with 16. Measured on AVX-512 for the
@@ -89,82 +87,13 @@ constexpr int kTileRows = 8;
 #else
 constexpr int kTileRows = 4;
 #endif
-static_assert(kTileRows <= 8, "product_columns handles remainders of up to 7 rows");
 
-/// C[MR, NP packets] (+)= A[MR, depth] B[depth, NP packets]: A rows at stride lda, B rows at
-/// ldb (unaligned), C rows at ldc. Broadcast-A, load-B outer products in registers.
-template <class T, int MR, int NP>
-inline void product_tile(const T* A, Index lda, const T* B, Index ldb, Index depth, T* C,
-                         Index ldc, bool accumulate) {
-  using P = Packet<T>;
-  constexpr Index L = packet_size<T>();
-  P acc[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p)
-      acc[r][p] = accumulate ? Eigen::internal::ploadu<P>(C + r * ldc + p * L)
-                             : Eigen::internal::pset1<P>(T(0));
-  for (Index k = 0; k < depth; ++k) {
-    P b[NP];
-    for (int p = 0; p < NP; ++p) b[p] = Eigen::internal::ploadu<P>(B + k * ldb + p * L);
-    for (int r = 0; r < MR; ++r) {
-      const P a = Eigen::internal::pset1<P>(A[r * lda + k]);
-      for (int p = 0; p < NP; ++p) acc[r][p] = Eigen::internal::pmadd(a, b[p], acc[r][p]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) Eigen::internal::pstoreu(C + r * ldc + p * L, acc[r][p]);
-}
-
-template <class T, int NP>
-inline void product_columns(const T* A, Index lda, const T* B, Index ldb, Index rows,
-                            Index depth, T* C, Index ldc, bool accumulate) {
-  Index r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows)
-    product_tile<T, kTileRows, NP>(A + r * lda, lda, B, ldb, depth, C + r * ldc, ldc, accumulate);
-  // The remaining rows in one pass over B (it may be a whole weight matrix).
-  const T* a = A + r * lda;
-  T* c = C + r * ldc;
-  switch (rows - r) {
-    case 7: product_tile<T, 7, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
-    case 6: product_tile<T, 6, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
-    case 5: product_tile<T, 5, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
-    case 4: product_tile<T, 4, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
-    case 3: product_tile<T, 3, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
-    case 2: product_tile<T, 2, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
-    case 1: product_tile<T, 1, NP>(a, lda, B, ldb, depth, c, ldc, accumulate); break;
-    default: break;  // none left (kTileRows <= 8)
-  }
-}
-
-/// C[rows, cols] (+)= A[rows, depth] B[depth, cols], cols a multiple of the packet size. Each
-/// C element sums over depth in order with fused multiply-adds, whatever the tiling.
+/// C[rows, cols] (+)= A[rows, depth] B[depth, cols] with the attention tile (small_product in
+/// detail/gemm.hpp); cols a multiple of the packet size.
 template <class T>
-void small_product(const T* A, Index lda, const T* B, Index ldb, Index rows, Index cols,
-                   Index depth, T* C, Index ldc, bool accumulate) {
-  constexpr Index L = packet_size<T>();
-  constexpr Index wide = kTilePackets * L;
-  Index c = 0;
-  for (; c + wide <= cols; c += wide)
-    product_columns<T, kTilePackets>(A, lda, B + c, ldb, rows, depth, C + c, ldc, accumulate);
-  for (; c < cols; c += L)
-    product_columns<T, 1>(A, lda, B + c, ldb, rows, depth, C + c, ldc, accumulate);
-}
-
-/// C (+)= A B for a few rows of A, without GEMM packing: the register-tiled product when B's
-/// columns are whole packets, else Eigen's product. For per-expert projections of a handful of
-/// routed tokens, where repacking the whole weight for each call would dominate.
-template <class T>
-void few_rows_product(const ConstRowsRef<T>& A, const ConstRowsRef<T>& B, RowsRef<T> C,
-                      bool accumulate) {
-  constexpr Index kFewRows = 32;
-  if (A.rows() < kFewRows && packet_size<T>() > 1 && B.cols() % packet_size<T>() == 0) {
-    small_product<T>(A.data(), A.outerStride(), B.data(), B.outerStride(), A.rows(), B.cols(),
-                     A.cols(), C.data(), C.outerStride(), accumulate);
-  } else if (accumulate) {
-    C.noalias() += A * B;
-  } else {
-    C.noalias() = A * B;
-  }
+void attention_product(const T* A, Index lda, const T* B, Index ldb, Index rows, Index cols,
+                       Index depth, T* C, Index ldc, bool accumulate) {
+  small_product<T, kTileRows, kTilePackets>(A, lda, B, ldb, rows, cols, depth, C, ldc, accumulate);
 }
 
 /// Whether the register-tiled products apply to head size d (a whole number of packets).
@@ -267,7 +196,7 @@ void attention(const T* q, Index q_stride, Index n_q, QueryPositions positions, 
           kt = block.data();
           kt_stride = block.outerStride();
         }
-        detail::small_product<T>(scratch.queries.data(), d, kt, kt_stride, nq, padded, d,
+        detail::attention_product<T>(scratch.queries.data(), d, kt, kt_stride, nq, padded, d,
                                  scratch.scores.data(), scratch.scores.outerStride(), false);
       } else {
         s.noalias() = (Q * K.transpose()) * scale;
@@ -305,7 +234,7 @@ void attention(const T* q, Index q_stride, Index n_q, QueryPositions positions, 
         m[r] = m_new;
       }
       if (fast) {
-        detail::small_product<T>(s.data(), s.outerStride(), v_block, d, nq, d, nk, acc.data(),
+        detail::attention_product<T>(s.data(), s.outerStride(), v_block, d, nq, d, nk, acc.data(),
                                  acc.outerStride(), true);
       } else {
         acc.noalias() += s * V;

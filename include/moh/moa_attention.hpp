@@ -175,30 +175,36 @@ class MoAAttention {
       MatrixMap<T> Q = detail::scratch_matrix<T>(detail::ScratchSlot::Queries, N, E * d);
       MatrixMap<T> C = detail::scratch_matrix<T>(detail::ScratchSlot::Context, N, E * d);
       for (Index e = 0; e < E; ++e)
-        detail::multiply_block<T>(X, q_experts_, e * D, D, 0, d, Q.middleCols(e * d, d), false,
-                                  plain_product);
+        project_q(e, X, Q.middleCols(e * d, d));
       detail::attend_heads<T>(detail::HeadsView<T>{Q.data(), E * d, Tq * E * d, d}, kv, B, Tq, E,
                               d, opts.causal, C.data(), opts.pool);
       for (Index i = 0; i < N; ++i)
         for (Index e = 0; e < E; ++e) C.row(i).segment(e * d, d) *= r.gates(i, e);
-      detail::multiply_block<T>(C, out_experts_, 0, E * d, 0, D, Y, false, plain_product);
+      detail::multiply<T>(C.data(), C.outerStride(), out_experts_.operand(0, 0, false), Y.data(),
+                          Y.outerStride(), N, D, E * d, false);
       return;
     }
 
     detail::HeadPlan<T> plan;
     plan.build(E, B, Tq, [&](Index row, Index e) { return selected(r, row, e); },
                [&](Index row, Index e) { return r.gates(row, e); });
-    auto project_q = [&](Index e, const Index*, const ConstRowsRef<T>& Xg, RowsRef<T> Qe) {
-      detail::multiply_block<T>(Xg, q_experts_, e * D, D, 0, d, Qe, false,
-                                detail::few_rows_product<T>);
+    auto project_routed_q = [&](Index e, const Index*, const ConstRowsRef<T>& Xg, RowsRef<T> Qe) {
+      project_q(e, Xg, Qe);
     };
     auto project_out = [&](Index e, const ConstRowsRef<T>& O, RowsRef<T> P) {
-      detail::multiply_block<T>(O, out_experts_, e * d, d, 0, D, P, true,
-                                detail::few_rows_product<T>);
+      detail::multiply<T>(O.data(), O.outerStride(), out_experts_.operand(e * d, 0, false),
+                          P.data(), P.outerStride(), O.rows(), D, d, true);
     };
     Y.setZero();
-    detail::attend_routed<T>(plan, X, kv, d, opts.causal, true, project_q, project_out,
+    detail::attend_routed<T>(plan, X, kv, d, opts.causal, true, project_routed_q, project_out,
                              [](Index) { return Index(0); }, Y, opts.pool);
+  }
+
+  /// Q[n, d] = X[n, D] Wq_e (expert e's query projection, stored [D, d]).
+  void project_q(Index e, const ConstRowsRef<T>& X, RowsRef<T> Q) const {
+    const Index D = config_.embed_dim, d = config_.head_dim;
+    detail::multiply<T>(X.data(), X.outerStride(), q_experts_.operand(e * D, 0, false), Q.data(),
+                        Q.outerStride(), X.rows(), d, D, false);
   }
 
   static bool selected(const MoARouting<T>& r, Index row, Index e) {
@@ -220,13 +226,6 @@ class MoAAttention {
   static void assign(WeightMatrix<T>& dst, const Matrix<T>& w, const char* name) {
     check_shape(dst, w, name);
     dst.set(w);
-  }
-  static void plain_product(const ConstRowsRef<T>& A, const ConstRowsRef<T>& B, RowsRef<T> C,
-                            bool accumulate) {
-    if (accumulate)
-      C.noalias() += A * B;
-    else
-      C.noalias() = A * B;
   }
   void assign_rows(Index first, const Matrix<T>& w, const char* name) {
     const Index d = config_.head_dim, D = config_.embed_dim;

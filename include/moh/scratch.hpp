@@ -30,7 +30,6 @@ enum class ScratchSlot : std::size_t {
   RoutedOutputs,  // [pairs, d]
   GatherRows,     // per task: gathered input rows [tile, D]
   PartialOutput,  // per task: [tile, D]
-  WeightTile,     // per block: bfloat16 weights widened to T (WeightMatrix::block)
   GemmPackA,      // per GEMM: packed panels of A (detail/gemm.hpp)
   GemmPackB,      // per GEMM: packed panels of B
   Count

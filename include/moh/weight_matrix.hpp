@@ -3,10 +3,9 @@
 // bfloat16 storage keeps the upper 16 bits of each float (weights rounded to nearest, ties to
 // even), halving the bytes a projection reads: when decoding one token at a time, the
 // projections stream every weight once per step and that traffic is the cost. Compute stays in
-// T: the GEMM widens bfloat16 weights while it packs them, a decode step widens them in
-// registers as it reads them (detail/gemm.hpp), and block() widens a block into a per-thread
-// tile (64 K elements at most) for the products that take a plain matrix. None of this depends
-// on the thread count.
+// T: the GEMM widens bfloat16 weights while it packs them, and the unpacked products (a decode
+// step, a few tokens routed to one expert) widen them in registers as they read them
+// (detail/gemm.hpp). None of this depends on the thread count.
 #pragma once
 
 #include <algorithm>
@@ -14,14 +13,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include "moh/detail/gemm.hpp"
 #include "moh/float16.hpp"
 #include "moh/linear.hpp"
-#include "moh/scratch.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
@@ -40,9 +34,6 @@ inline const char* weight_storage_name(WeightStorage s) {
 template <class T>
 class WeightMatrix {
  public:
-  /// Widened bfloat16 tiles hold at most this many elements (256 KiB of float).
-  static constexpr Index kTileElements = Index(1) << 16;
-
   WeightMatrix() = default;
   /// A zero [rows, cols] matrix.
   WeightMatrix(Index rows, Index cols, WeightStorage storage)
@@ -86,20 +77,6 @@ class WeightMatrix {
   }
   void set(const ConstRowsRef<T>& w) { set_rows(0, w); }
 
-  /// Block [r0, r0 + n) x [c0, c0 + m) in T: a view of native storage, or the bfloat16 values
-  /// widened into the calling thread's weight tile (valid until the next block() call on this
-  /// thread). n * m must not exceed kTileElements for bfloat16 storage.
-  ConstStridedMap<T> block(Index r0, Index n, Index c0, Index m) const {
-    eigen_assert(r0 >= 0 && c0 >= 0 && r0 + n <= rows_ && c0 + m <= cols_);
-    if (storage_ == WeightStorage::Native)
-      return ConstStridedMap<T>(native_.data() + r0 * cols_ + c0, n, m,
-                                Eigen::OuterStride<>(cols_));
-    eigen_assert(n * m <= kTileElements);
-    T* tile = detail::scratch_matrix<T>(detail::ScratchSlot::WeightTile, n, m).data();
-    widen(bf16_.data() + r0 * cols_ + c0, cols_, n, m, tile, m);
-    return ConstStridedMap<T>(tile, n, m, Eigen::OuterStride<>(m));
-  }
-
   /// This matrix from element (r0, c0) on as the B operand of detail::gemm(): B = W^T
   /// (B(k, n) = W(r0 + n, c0 + k)) when `transposed`, else B(k, n) = W(r0 + k, c0 + n).
   detail::GemmB<T> operand(Index r0, Index c0, bool transposed) const {
@@ -112,24 +89,6 @@ class WeightMatrix {
     else
       b.bf16 = bf16_.data() + r0 * cols_ + c0;
     return b;
-  }
-
-  /// Calls fn(i, j, block) for blocks that cover [r0, r0 + n) x [c0, c0 + m) in row-major
-  /// order, block starting at (r0 + i, c0 + j): one view of everything for native storage,
-  /// widened tiles of at most kTileElements for bfloat16. The tiling depends on the shape only.
-  template <class Fn>
-  void for_each_block(Index r0, Index n, Index c0, Index m, Fn&& fn) const {
-    if (storage_ == WeightStorage::Native || n * m <= kTileElements) {
-      fn(Index(0), Index(0), block(r0, n, c0, m));
-      return;
-    }
-    const Index width = std::min(m, kTileElements);
-    const Index height = std::max<Index>(1, kTileElements / width);
-    for (Index i = 0; i < n; i += height)
-      for (Index j = 0; j < m; j += width) {
-        const Index bn = std::min(height, n - i), bm = std::min(width, m - j);
-        fn(i, j, block(r0 + i, bn, c0 + j, bm));
-      }
   }
 
  private:
@@ -178,17 +137,6 @@ void linear(const ConstRowsRef<T>& X, const WeightMatrix<T>& W, Index first, Ind
               Y.block(r0, c0, nr, nc));
   });
 }
-
-namespace detail {
-/// C[N, m] (+)= A[N, n] W[r0 : r0 + n, c0 : c0 + m] on this thread (`accumulate`: add to C).
-template <class T, class Product>
-void multiply_block(const ConstRowsRef<T>& A, const WeightMatrix<T>& W, Index r0, Index n, Index c0,
-                    Index m, RowsRef<T> C, bool accumulate, Product&& product) {
-  W.for_each_block(r0, n, c0, m, [&](Index i, Index j, const ConstStridedMap<T>& w) {
-    product(A.middleCols(i, w.rows()), w, C.middleCols(j, w.cols()), accumulate || i > 0);
-  });
-}
-}  // namespace detail
 
 /// Y[N, out] = X[N, in] W^T (+ bias) on `pool`.
 template <class T>

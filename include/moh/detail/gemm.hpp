@@ -249,6 +249,62 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
   }
 }
 
+/// C[MR, NP packets] (+)= A[MR, depth] B[depth, NP packets] without packing: A rows at stride
+/// lda (broadcast), B rows at ldb (T, or bfloat16 widened in registers), C rows at ldc. The same
+/// chain per element as gemm_micro, so either gives the same bits.
+template <class T, int MR, int NP, class Src>
+inline void product_tile(const T* A, Index lda, const Src* B, Index ldb, Index depth, T* C,
+                         Index ldc, bool accumulate) {
+  using P = GemmPacket<T>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
+  P acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p)
+      acc[r][p] = accumulate ? Eigen::internal::ploadu<P>(C + r * ldc + p * L)
+                             : Eigen::internal::pset1<P>(T(0));
+  for (Index k = 0; k < depth; ++k) {
+    P b[NP];
+    for (int p = 0; p < NP; ++p) b[p] = load_packet<T>(B + k * ldb + p * L);
+    for (int r = 0; r < MR; ++r) {
+      const P a = Eigen::internal::pset1<P>(A[r * lda + k]);
+      for (int p = 0; p < NP; ++p) acc[r][p] = Eigen::internal::pmadd(a, b[p], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) Eigen::internal::pstoreu(C + r * ldc + p * L, acc[r][p]);
+}
+
+/// product_tile for the last `rows` (< N) rows, in one pass over B.
+template <class T, int N, int NP, class Src>
+inline void product_rest(Index rows, const T* A, Index lda, const Src* B, Index ldb, Index depth,
+                         T* C, Index ldc, bool accumulate) {
+  if constexpr (N > 1) {
+    if (rows == N - 1)
+      product_tile<T, N - 1, NP>(A, lda, B, ldb, depth, C, ldc, accumulate);
+    else
+      product_rest<T, N - 1, NP>(rows, A, lda, B, ldb, depth, C, ldc, accumulate);
+  }
+}
+
+/// C[rows, cols] (+)= A[rows, depth] B[depth, cols] in MR x NP-packet register tiles, without
+/// packing (for few rows, or operands already laid out); cols a multiple of the packet size.
+template <class T, int MR, int NP, class Src>
+void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, Index cols,
+                   Index depth, T* C, Index ldc, bool accumulate) {
+  constexpr Index L = Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
+  auto strip = [&](auto packets, Index c) {
+    constexpr int np = decltype(packets)::value;
+    Index r = 0;
+    for (; r + MR <= rows; r += MR)
+      product_tile<T, MR, np>(A + r * lda, lda, B + c, ldb, depth, C + r * ldc + c, ldc, accumulate);
+    product_rest<T, MR, np>(rows - r, A + r * lda, lda, B + c, ldb, depth, C + r * ldc + c, ldc,
+                            accumulate);
+  };
+  Index c = 0;
+  for (; c + NP * L <= cols; c += NP * L) strip(std::integral_constant<int, NP>(), c);
+  for (; c < cols; c += L) strip(std::integral_constant<int, 1>(), c);
+}
+
 /// Rows of A that rows_product() handles (decode steps); more go to gemm().
 constexpr Index kFewRows = 4;
 
@@ -293,16 +349,32 @@ void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index
   }
 }
 
-/// C[M, N] (+)= A[M, K] B: rows_product() for a few rows of A against a transposed B (a decode
-/// step streams the weights once, unpacked), else gemm().
+/// Rows of A below which multiply() runs a [K, N] operand unpacked: packing B would cost about
+/// as much as the product (a few tokens routed to one head or expert).
+constexpr Index kUnpackedRows = 32;
+
+/// C[M, N] (+)= A[M, K] B on this thread, by the cheapest route for the shape:
+///   - a few rows against a transposed B: rows_product() (a decode step streams the weights
+///     once, unpacked);
+///   - fewer than kUnpackedRows rows against a [K, N] B of whole packets: small_product();
+///   - else gemm().
+/// The last two compute the same chain per element, so their results are bitwise equal.
 template <class T>
 void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N,
               Index K, bool accumulate) {
-  if (M <= kFewRows && B.transposed) {
+  using S = GemmShape<T>;
+  if (B.transposed && M <= kFewRows) {
     if (B.values)
       rows_product<T>(A, lda, M, B.values, B.ld, N, K, C, ldc, accumulate);
     else
       rows_product<T>(A, lda, M, B.bf16, B.ld, N, K, C, ldc, accumulate);
+    return;
+  }
+  if (!B.transposed && M < kUnpackedRows && S::L > 1 && N % S::L == 0) {
+    if (B.values)
+      small_product<T, S::MR, S::NP>(A, lda, B.values, B.ld, M, N, K, C, ldc, accumulate);
+    else
+      small_product<T, S::MR, S::NP>(A, lda, B.bf16, B.ld, M, N, K, C, ldc, accumulate);
     return;
   }
   gemm<T>(A, lda, B, C, ldc, M, N, K, accumulate);
