@@ -1,6 +1,6 @@
 // Tests for moh/softmax.hpp: stability with huge values, -inf handling (a fully hidden row is
-// zeros, never NaN), agreement with the textbook formula, row-wise use on strided blocks, and
-// log_sum_exp.
+// zeros, never NaN), agreement with the textbook formula, row-wise use on strided blocks,
+// log_sum_exp, and softmax_lse (both in one pass).
 #include "moh/softmax.hpp"
 
 #include <gtest/gtest.h>
@@ -151,6 +151,36 @@ TEST(LogSumExp, NegativeInfinityEntries) {
   moh::Matrix<double> p = row;
   moh::softmax(p.data(), 9);
   for (int i = 0; i < 9; ++i) EXPECT_NEAR(p(0, i), std::exp(row(0, i) - lse), 1e-15);
+}
+
+}  // namespace
+
+namespace {
+
+// softmax_lse: the same probabilities as the textbook formula and the log-sum-exp of the input,
+// on rows long enough for the vectorised exp, with and without hidden entries.
+TEST(SoftmaxLse, ProbabilitiesAndLogSumExpOfTheInput) {
+  for (int n : {1, 7, 16, 33, 64}) {
+    for (bool hide : {false, true}) {
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (int i = 0; i < n; ++i) x[i] = 3.0f * std::sin(0.7f * static_cast<float>(i) + 0.3f);
+      if (hide && n > 1) x[1] = -kInfF;
+      std::vector<float> p = x;
+      const float lse = moh::softmax_lse(p.data(), n);
+      double sum = 0;
+      for (float v : x) sum += v == -kInfF ? 0.0 : std::exp(static_cast<double>(v));
+      EXPECT_NEAR(lse, std::log(sum), 1e-5) << "n=" << n;
+      EXPECT_NEAR(lse, moh::log_sum_exp(x.data(), n), 1e-5);
+      for (int i = 0; i < n; ++i) {
+        const double want = x[i] == -kInfF ? 0.0 : std::exp(static_cast<double>(x[i])) / sum;
+        EXPECT_NEAR(p[i], want, 1e-6) << "n=" << n << " i=" << i;
+        if (x[i] == -kInfF) EXPECT_EQ(p[i], 0.0f);
+      }
+    }
+  }
+  std::vector<float> hidden = {-kInfF, -kInfF};
+  EXPECT_EQ(moh::softmax_lse(hidden.data(), 2), -kInfF);
+  EXPECT_EQ(hidden, (std::vector<float>{0.0f, 0.0f}));
 }
 
 }  // namespace

@@ -167,7 +167,8 @@ class MoAAttention {
     MoARouting<T> local;
     MoARouting<T>& r = routing ? *routing : local;
     Matrix<T> logits(N, E);
-    logits.noalias() = X * gate_;
+    detail::multiply<T>(X.data(), X.outerStride(), detail::GemmB<T>{gate_.data(), nullptr, E, false},
+                        logits.data(), E, N, E, D, false);
     route_moa<T>(logits, B, Tq, config_.top_k, config_.gating, r);
 
     if (opts.mode == ComputeMode::Dense) {

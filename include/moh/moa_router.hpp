@@ -57,8 +57,8 @@ void route_moa(const Matrix<T>& logits, Index batch, Index tokens, Index k, MoAG
   std::vector<T> kept(static_cast<std::size_t>(k));
   T z = 0;
   for (Index i = 0; i < N; ++i) {
-    z += std::pow(log_sum_exp(logits.row(i).data(), E), T(2));
-    softmax(out.probs.row(i).data(), E);
+    const T lse = softmax_lse(out.probs.row(i).data(), E);
+    z += lse * lse;
     Index* sel = out.selected.row(i).data();
     // Top-k by p and top-k by logit pick the same experts (softmax is monotonic) except for
     // ties created by rounding; pick on the quantity each convention ranks by.

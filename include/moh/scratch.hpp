@@ -30,7 +30,7 @@ enum class ScratchSlot : std::size_t {
   RoutedOutputs,  // [pairs, d]
   GatherRows,     // per task: gathered input rows [tile, D]
   PartialOutput,  // per task: [tile, D]
-  GemmPackA,      // per GEMM: packed panels of A (detail/gemm.hpp)
+  GemmPackA,      // per GEMM: the last, partial panel of A (detail/gemm.hpp)
   GemmPackB,      // per GEMM: packed panels of B
   Count
 };

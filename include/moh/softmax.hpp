@@ -11,22 +11,33 @@
 
 namespace moh {
 
+/// Softmax in place over x[0, n); returns log(sum_i exp(x_i)) of the input (-inf for an empty or
+/// all -inf row, which becomes all zeros). One vectorised pass of exp serves both.
+template <class T>
+T softmax_lse(T* x, Index n) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  if (n <= 0) return kNegInf;
+  Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> a(x, n);
+  const T max = a.maxCoeff();
+  if (max == kNegInf) {
+    a.setZero();
+    return kNegInf;
+  }
+  if (a.minCoeff() == kNegInf) {
+    // Vectorised exp need not give exactly 0 at -inf: hidden entries are zeroed explicitly.
+    for (Index i = 0; i < n; ++i) x[i] = x[i] == kNegInf ? T(0) : std::exp(x[i] - max);
+  } else {
+    a = (a - max).exp();  // Eigen's vectorised exp
+  }
+  const T sum = a.sum();
+  a /= sum;
+  return max + std::log(sum);
+}
+
 /// In place over x[0, n).
 template <class T>
 void softmax(T* x, Index n) {
-  if (n <= 0) return;
-  T max = -std::numeric_limits<T>::infinity();
-  for (Index i = 0; i < n; ++i) max = std::max(max, x[i]);
-  if (max == -std::numeric_limits<T>::infinity()) {
-    for (Index i = 0; i < n; ++i) x[i] = T(0);
-    return;
-  }
-  T sum = 0;
-  for (Index i = 0; i < n; ++i) {
-    x[i] = (x[i] == -std::numeric_limits<T>::infinity()) ? T(0) : std::exp(x[i] - max);
-    sum += x[i];
-  }
-  for (Index i = 0; i < n; ++i) x[i] /= sum;
+  softmax_lse(x, n);
 }
 
 /// Row-wise softmax of a row-major matrix, in place.

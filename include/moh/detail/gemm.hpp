@@ -2,10 +2,10 @@
 // from a weight matrix stored in T or in bfloat16, either as [K, N] or as the transpose of a
 // [N, K] matrix (torch.nn.Linear's layout, so Y = X W^T needs no copy of W).
 //
-// Three-level blocking: B is packed per (KC x NC) block into panels of NR columns (bfloat16 is
-// widened to T while packing, so it costs nothing extra), A per (MC x KC) block into panels of MR
-// rows, and a micro-kernel keeps an MR x NR tile of C in vector registers over KC. The packs live
-// in the thread's scratch arena, so nothing is allocated once warm.
+// Blocking: B is packed per (KC x NC) block into panels of NR columns (bfloat16 is widened to T
+// while packing, so it costs nothing extra); A is read in place, MR rows at a time; a micro-kernel
+// keeps an MR x NR tile of C in vector registers over KC. The packs live in the thread's scratch
+// arena, so nothing is allocated once warm.
 //
 // Every element of C is one chain of fused multiply-adds over k = 0 .. K-1 in order, starting
 // from C (accumulate) or zero, whatever the blocking, the edge handling or the thread that runs
@@ -73,33 +73,9 @@ struct GemmShape {
 #endif
   static constexpr Index NR = NP * L;
   static constexpr Index KC = 256;      // depth of a packed block
-  static constexpr Index MC = 16 * MR;  // rows of A packed at a time (stays in L2)
+  static constexpr Index MC = 16 * MR;  // rows of A per pass over a block of B (stay in L2)
   static constexpr Index NC = 8 * NR;   // columns of B packed at a time (stays in L2)
 };
-
-/// C[MR, NR] = (accumulate ? C : 0) + Ap[kc, MR] Bp[kc, NR]; C rows at stride ldc.
-template <class T, int MR, int NP>
-inline void gemm_micro(const T* Ap, const T* Bp, Index kc, T* C, Index ldc, bool accumulate) {
-  using P = GemmPacket<T>;
-  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
-  P acc[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p)
-      acc[r][p] = accumulate ? Eigen::internal::ploadu<P>(C + r * ldc + p * L)
-                             : Eigen::internal::pset1<P>(T(0));
-  for (Index k = 0; k < kc; ++k) {
-    P b[NP];
-    for (int p = 0; p < NP; ++p) b[p] = Eigen::internal::pload<P>(Bp + p * L);
-    for (int r = 0; r < MR; ++r) {
-      const P a = Eigen::internal::pset1<P>(Ap[r]);
-      for (int p = 0; p < NP; ++p) acc[r][p] = Eigen::internal::pmadd(a, b[p], acc[r][p]);
-    }
-    Ap += MR;
-    Bp += NP * L;
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) Eigen::internal::pstoreu(C + r * ldc + p * L, acc[r][p]);
-}
 
 /// One packet of T from L consecutive elements at p (T or bfloat16, widened).
 template <class T>
@@ -133,6 +109,70 @@ inline T load_scalar(const T* p) {
 template <class T>
 inline T load_scalar(const std::uint16_t* p) {
   return static_cast<T>(bfloat16_to_float(*p));
+}
+
+/// The register tile of every product here: C[MR, NP packets] (+)= A[MR, depth] B[depth, NP
+/// packets], with A(r, k) = A[r * a_row + k * a_k] broadcast, B row k at B + k * b_k (T, or
+/// bfloat16 widened in registers) and C rows at ldc. Each element is one chain of fused
+/// multiply-adds over k in order, from C (accumulate) or zero.
+template <class T, int MR, int NP, class Src>
+inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index b_k, Index depth,
+                        T* C, Index ldc, bool accumulate) {
+  using P = GemmPacket<T>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
+  P acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p)
+      acc[r][p] = accumulate ? Eigen::internal::ploadu<P>(C + r * ldc + p * L)
+                             : Eigen::internal::pset1<P>(T(0));
+  for (Index k = 0; k < depth; ++k) {
+    P b[NP];
+    for (int p = 0; p < NP; ++p) b[p] = load_packet<T>(B + k * b_k + p * L);
+    for (int r = 0; r < MR; ++r) {
+      const P a = Eigen::internal::pset1<P>(A[r * a_row + k * a_k]);
+      for (int p = 0; p < NP; ++p) acc[r][p] = Eigen::internal::pmadd(a, b[p], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) Eigen::internal::pstoreu(C + r * ldc + p * L, acc[r][p]);
+}
+
+/// Unpacked operands: A rows at stride lda, B rows at ldb.
+template <class T, int MR, int NP, class Src>
+inline void product_tile(const T* A, Index lda, const Src* B, Index ldb, Index depth, T* C,
+                         Index ldc, bool accumulate) {
+  tile_kernel<T, MR, NP>(A, lda, 1, B, ldb, depth, C, ldc, accumulate);
+}
+
+/// product_tile for the last `rows` (< N) rows, in one pass over B.
+template <class T, int N, int NP, class Src>
+inline void product_rest(Index rows, const T* A, Index lda, const Src* B, Index ldb, Index depth,
+                         T* C, Index ldc, bool accumulate) {
+  if constexpr (N > 1) {
+    if (rows == N - 1)
+      product_tile<T, N - 1, NP>(A, lda, B, ldb, depth, C, ldc, accumulate);
+    else
+      product_rest<T, N - 1, NP>(rows, A, lda, B, ldb, depth, C, ldc, accumulate);
+  }
+}
+
+/// C[rows, cols] (+)= A[rows, depth] B[depth, cols] in MR x NP-packet register tiles, without
+/// packing (for few rows, or operands already laid out); cols a multiple of the packet size.
+template <class T, int MR, int NP, class Src>
+void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, Index cols,
+                   Index depth, T* C, Index ldc, bool accumulate) {
+  constexpr Index L = Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
+  auto strip = [&](auto packets, Index c) {
+    constexpr int np = decltype(packets)::value;
+    Index r = 0;
+    for (; r + MR <= rows; r += MR)
+      product_tile<T, MR, np>(A + r * lda, lda, B + c, ldb, depth, C + r * ldc + c, ldc, accumulate);
+    product_rest<T, MR, np>(rows - r, A + r * lda, lda, B + c, ldb, depth, C + r * ldc + c, ldc,
+                            accumulate);
+  };
+  Index c = 0;
+  for (; c + NP * L <= cols; c += NP * L) strip(std::integral_constant<int, NP>(), c);
+  for (; c < cols; c += L) strip(std::integral_constant<int, 1>(), c);
 }
 
 /// dst[k * ldd + j] = src[j * lds + k] for j < rows, k < cols: a transposing copy in square
@@ -189,7 +229,21 @@ void pack_b_panel(const GemmB<T>& b, Index kc, Index w, Index NR, T* panel) {
     for (Index k = 0; k < kc; ++k) std::fill(panel + k * NR + w, panel + (k + 1) * NR, T(0));
 }
 
-/// C[M, N] (+)= A[M, K] B on this thread; A and C row-major at strides lda, ldc. Packs and
+/// tile_kernel for an edge tile: only the first `np` (<= NP) packets of columns, so a narrow
+/// edge (a router's few columns) does not pay for a whole panel.
+template <class T, int MR, int NP>
+inline void edge_kernel(Index np, const T* A, Index a_row, Index a_k, const T* Bp, Index NR,
+                        Index kc, T* C, Index ldc) {
+  if constexpr (NP > 1) {
+    if (np < NP) {
+      edge_kernel<T, MR, NP - 1>(np, A, a_row, a_k, Bp, NR, kc, C, ldc);
+      return;
+    }
+  }
+  tile_kernel<T, MR, NP>(A, a_row, a_k, Bp, NR, kc, C, ldc, true);
+}
+
+/// C[M, N] (+)= A[M, K] B on this thread; A and C row-major at strides lda, ldc. Packs B and
 /// tiles; see multiply() for few rows.
 template <class T>
 void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N, Index K,
@@ -203,10 +257,9 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
     return;
   }
   const Index nc_max = std::min(NC, (N + NR - 1) / NR * NR);
-  const Index mc_max = std::min(MC, (M + MR - 1) / MR * MR);
   const Index kc_max = std::min(KC, K);
   T* bp = scratch_matrix<T>(ScratchSlot::GemmPackB, kc_max, nc_max).data();
-  T* ap = scratch_matrix<T>(ScratchSlot::GemmPackA, kc_max, mc_max).data();
+  T* ap = scratch_matrix<T>(ScratchSlot::GemmPackA, kc_max, MR).data();
   alignas(64) T edge[MR * NR] = {};
 
   for (Index j0 = 0; j0 < N; j0 += NC) {
@@ -216,30 +269,35 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
       const bool acc = accumulate || k0 > 0;
       for (Index jp = 0; jp < nc; jp += NR)
         pack_b_panel<T>(B.offset(k0, j0 + jp), kc, std::min(NR, nc - jp), NR, bp + jp * kc);
+      // A is read in place (measured faster than packing it here), except the last MR rows
+      // when M is not a whole number of panels: those are packed [kc, MR], zero padded.
+      const Index tail = M % MR;
+      if (tail != 0) {
+        pack_transposed<T>(A + (M - tail) * lda + k0, lda, tail, kc, ap, MR);
+        for (Index k = 0; k < kc; ++k) std::fill(ap + k * MR + tail, ap + (k + 1) * MR, T(0));
+      }
       for (Index i0 = 0; i0 < M; i0 += MC) {
         const Index mc = std::min(MC, M - i0);
-        // A[i0 : i0 + mc, k0 : k0 + kc] as panels [kc, MR], rows past M zero.
-        for (Index ip = 0; ip < mc; ip += MR) {
-          const Index h = std::min(MR, mc - ip);
-          T* panel = ap + ip * kc;
-          pack_transposed<T>(A + (i0 + ip) * lda + k0, lda, h, kc, panel, MR);
-          for (Index r = h; r < MR; ++r)
-            for (Index k = 0; k < kc; ++k) panel[k * MR + r] = T(0);
-        }
         for (Index jp = 0; jp < nc; jp += NR) {
           const Index w = std::min(NR, nc - jp);
+          const T* b = bp + jp * kc;
           for (Index ip = 0; ip < mc; ip += MR) {
             const Index h = std::min(MR, mc - ip);
+            const T* a = A + (i0 + ip) * lda + k0;
             T* c = C + (i0 + ip) * ldc + j0 + jp;
             if (h == MR && w == NR) {
-              gemm_micro<T, S::MR, S::NP>(ap + ip * kc, bp + jp * kc, kc, c, ldc, acc);
+              tile_kernel<T, S::MR, S::NP>(a, lda, 1, b, NR, kc, c, ldc, acc);
               continue;
             }
             // Edge tile: through a full-size tile that starts from C's values, so each element
             // is the same chain as in a whole tile.
             for (Index r = 0; r < h; ++r)
               for (Index j = 0; j < w; ++j) edge[r * NR + j] = acc ? c[r * ldc + j] : T(0);
-            gemm_micro<T, S::MR, S::NP>(ap + ip * kc, bp + jp * kc, kc, edge, NR, true);
+            const Index np = (w + S::L - 1) / S::L;
+            if (h == MR)
+              edge_kernel<T, S::MR, S::NP>(np, a, lda, 1, b, NR, kc, edge, NR);
+            else
+              edge_kernel<T, S::MR, S::NP>(np, ap, 1, MR, b, NR, kc, edge, NR);
             for (Index r = 0; r < h; ++r)
               for (Index j = 0; j < w; ++j) c[r * ldc + j] = edge[r * NR + j];
           }
@@ -247,62 +305,6 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
       }
     }
   }
-}
-
-/// C[MR, NP packets] (+)= A[MR, depth] B[depth, NP packets] without packing: A rows at stride
-/// lda (broadcast), B rows at ldb (T, or bfloat16 widened in registers), C rows at ldc. The same
-/// chain per element as gemm_micro, so either gives the same bits.
-template <class T, int MR, int NP, class Src>
-inline void product_tile(const T* A, Index lda, const Src* B, Index ldb, Index depth, T* C,
-                         Index ldc, bool accumulate) {
-  using P = GemmPacket<T>;
-  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
-  P acc[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p)
-      acc[r][p] = accumulate ? Eigen::internal::ploadu<P>(C + r * ldc + p * L)
-                             : Eigen::internal::pset1<P>(T(0));
-  for (Index k = 0; k < depth; ++k) {
-    P b[NP];
-    for (int p = 0; p < NP; ++p) b[p] = load_packet<T>(B + k * ldb + p * L);
-    for (int r = 0; r < MR; ++r) {
-      const P a = Eigen::internal::pset1<P>(A[r * lda + k]);
-      for (int p = 0; p < NP; ++p) acc[r][p] = Eigen::internal::pmadd(a, b[p], acc[r][p]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) Eigen::internal::pstoreu(C + r * ldc + p * L, acc[r][p]);
-}
-
-/// product_tile for the last `rows` (< N) rows, in one pass over B.
-template <class T, int N, int NP, class Src>
-inline void product_rest(Index rows, const T* A, Index lda, const Src* B, Index ldb, Index depth,
-                         T* C, Index ldc, bool accumulate) {
-  if constexpr (N > 1) {
-    if (rows == N - 1)
-      product_tile<T, N - 1, NP>(A, lda, B, ldb, depth, C, ldc, accumulate);
-    else
-      product_rest<T, N - 1, NP>(rows, A, lda, B, ldb, depth, C, ldc, accumulate);
-  }
-}
-
-/// C[rows, cols] (+)= A[rows, depth] B[depth, cols] in MR x NP-packet register tiles, without
-/// packing (for few rows, or operands already laid out); cols a multiple of the packet size.
-template <class T, int MR, int NP, class Src>
-void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, Index cols,
-                   Index depth, T* C, Index ldc, bool accumulate) {
-  constexpr Index L = Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
-  auto strip = [&](auto packets, Index c) {
-    constexpr int np = decltype(packets)::value;
-    Index r = 0;
-    for (; r + MR <= rows; r += MR)
-      product_tile<T, MR, np>(A + r * lda, lda, B + c, ldb, depth, C + r * ldc + c, ldc, accumulate);
-    product_rest<T, MR, np>(rows - r, A + r * lda, lda, B + c, ldb, depth, C + r * ldc + c, ldc,
-                            accumulate);
-  };
-  Index c = 0;
-  for (; c + NP * L <= cols; c += NP * L) strip(std::integral_constant<int, NP>(), c);
-  for (; c < cols; c += L) strip(std::integral_constant<int, 1>(), c);
 }
 
 /// Rows of A that rows_product() handles (decode steps); more go to gemm().
