@@ -192,9 +192,10 @@ class MoAAttention {
     auto project_routed_q = [&](Index e, const Index*, const ConstRowsRef<T>& Xg, RowsRef<T> Qe) {
       project_q(e, Xg, Qe);
     };
-    auto project_out = [&](Index e, const ConstRowsRef<T>& O, RowsRef<T> P) {
-      detail::multiply<T>(O.data(), O.outerStride(), out_experts_.operand(e * d, 0, false),
-                          P.data(), P.outerStride(), O.rows(), D, d, true);
+    auto project_out = [&](Index e, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0,
+                           bool accumulate) {
+      detail::multiply<T>(O.data(), O.outerStride(), out_experts_.operand(e * d, c0, false),
+                          P.data(), P.outerStride(), O.rows(), P.cols(), d, accumulate);
     };
     Y.setZero();
     detail::attend_routed<T>(plan, X, kv, d, opts.causal, true, project_routed_q, project_out,

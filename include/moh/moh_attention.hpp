@@ -203,8 +203,9 @@ class MoHAttention {
       if (geo().rope)
         for (Index i = 0; i < Qh.rows(); ++i) rope.rotate(Qh.row(i).data(), rows[i] % Tq);
     };
-    auto project_out = [&](Index h, const ConstRowsRef<T>& O, RowsRef<T> P) {
-      proj_.add_out_head(h, O, P);
+    auto project_out = [&](Index h, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0,
+                           bool accumulate) {
+      proj_.out_head(h, O, P, c0, accumulate);
     };
     const Index group = geo().group();
     proj_.init_output(Y);

@@ -180,15 +180,16 @@ struct HeadPlan {
   }
 };
 
-constexpr Index kRoutedRowTile = 128;  // rows per projection task of the routed path
+constexpr Index kRoutedRowTile = 128;    // rows per projection task of the routed path
+constexpr Index kRoutedColumnTile = 128; // output columns per task when heads have few rows
 
 /// Runs the routed heads of `plan`:
 ///   Q[i]  = project_q(h, X rows of head h)                 (only the picked pairs)
 ///   O[i]  = gate[i] * attention(Q[i], keys/values of head h)
 ///   Y[r] += O rows of head h projected by project_out      (summed over heads in order)
 /// project_q(h, row indices [n], gathered X rows [n, D] (empty unless gather_x), Q out [n, d]) and
-/// project_out(h, O [n, d], P [n, D]) (adds O's projection into P) are the layer's per-head
-/// GEMMs. kv_head(h) picks the
+/// project_out(h, O [n, d], P [n, m], c0, accumulate) (output columns [c0, c0 + m) of O's
+/// projection, added to P or written) are the layer's per-head GEMMs. kv_head(h) picks the
 /// key/value head. Y must already hold the bias (or zeros). X: [B*T, D] rows.
 template <class T, class ProjectQ, class ProjectOut, class KvHead>
 void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyValues<T>& kv,
@@ -276,21 +277,37 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
     }
   });
 
-  // 3. Output projection per tile of token rows; heads are added in index order, so the sum
-  //    is the same whatever thread runs the tile.
+  // 3. Output projection. Each Y element adds the heads' contributions in index order, so the
+  //    sum is the same whatever thread runs a tile. With many rows per head: tiles of token
+  //    rows. With few (MoA's many experts: about 12 tokens each at E = 32 on 197 tokens): tiles
+  //    of output columns, so that each head's weights are read once per call, not once per row
+  //    tile, and its rows are multiplied together.
+  auto add_head = [&](Index h, Index lo, Index hi, Index c0, MatrixMap<T>& p) {
+    const Index n = hi - lo, m = p.cols();
+    if (plan.rows[hi - 1] - plan.rows[lo] == n - 1) {  // consecutive rows: add in place
+      project_out(h, O.middleRows(lo, n), Y.block(plan.rows[lo], c0, n, m), c0, true);
+      return;
+    }
+    project_out(h, O.middleRows(lo, n), p.topRows(n), c0, false);
+    for (Index i = lo; i < hi; ++i) Y.row(plan.rows[i]).segment(c0, m) += p.row(i - lo);
+  };
+  if (pairs < plan.heads * kRoutedRowTile) {
+    Index most = 0;
+    for (Index h = 0; h < plan.heads; ++h) most = std::max(most, plan.offsets[h + 1] - plan.offsets[h]);
+    parallel_for(pool, blocks_of(D_out, kRoutedColumnTile), [&](std::int64_t task, int) {
+      const Index c0 = task * kRoutedColumnTile, m = std::min(kRoutedColumnTile, D_out - c0);
+      MatrixMap<T> p = scratch_matrix<T>(ScratchSlot::PartialOutput, most, m);
+      for (Index h = 0; h < plan.heads; ++h)
+        if (plan.offsets[h + 1] > plan.offsets[h]) add_head(h, plan.offsets[h], plan.offsets[h + 1], c0, p);
+    });
+    return;
+  }
   parallel_for(pool, blocks_of(n_rows, kRoutedRowTile), [&](std::int64_t task, int) {
     const Index r0 = task * kRoutedRowTile, r1 = std::min(n_rows, r0 + kRoutedRowTile);
     MatrixMap<T> p = scratch_matrix<T>(ScratchSlot::PartialOutput, r1 - r0, D_out);
     for (Index h = 0; h < plan.heads; ++h) {
       const auto [lo, hi] = plan.range(h, r0, r1);
-      if (hi == lo) continue;
-      if (plan.rows[hi - 1] - plan.rows[lo] == hi - lo - 1) {  // consecutive rows: add in place
-        project_out(h, O.middleRows(lo, hi - lo), Y.middleRows(plan.rows[lo], hi - lo));
-        continue;
-      }
-      p.topRows(hi - lo).setZero();
-      project_out(h, O.middleRows(lo, hi - lo), p.topRows(hi - lo));
-      for (Index i = lo; i < hi; ++i) Y.row(plan.rows[i]) += p.row(i - lo);
+      if (hi > lo) add_head(h, lo, hi, 0, p);
     }
   });
 }

@@ -114,8 +114,10 @@ inline T load_scalar(const std::uint16_t* p) {
 /// The register tile of every product here: C[MR, NP packets] (+)= A[MR, depth] B[depth, NP
 /// packets], with A(r, k) = A[r * a_row + k * a_k] broadcast, B row k at B + k * b_k (T, or
 /// bfloat16 widened in registers) and C rows at ldc. Each element is one chain of fused
-/// multiply-adds over k in order, from C (accumulate) or zero.
-template <class T, int MR, int NP, class Src>
+/// multiply-adds over k in order, from C (accumulate) or zero. kPrefetch: ask for B's row k + 16
+/// while row k is used (unpacked weights of a routed expert come from L3 or memory in rows a
+/// page apart, which the hardware prefetcher does not follow).
+template <class T, int MR, int NP, class Src, bool kPrefetch = false>
 inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index b_k, Index depth,
                         T* C, Index ldc, bool accumulate) {
   using P = GemmPacket<T>;
@@ -128,6 +130,13 @@ inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index 
   for (Index k = 0; k < depth; ++k) {
     P b[NP];
     for (int p = 0; p < NP; ++p) b[p] = load_packet<T>(B + k * b_k + p * L);
+#if defined(__GNUC__)
+    if constexpr (kPrefetch) {
+      const char* ahead = reinterpret_cast<const char*>(B + (k + 16) * b_k);
+      for (Index byte = 0; byte < NP * L * Index(sizeof(Src)); byte += 64)
+        __builtin_prefetch(ahead + byte);  // a hint: never faults, even past the end of B
+    }
+#endif
     for (int r = 0; r < MR; ++r) {
       const P a = Eigen::internal::pset1<P>(A[r * a_row + k * a_k]);
       for (int p = 0; p < NP; ++p) acc[r][p] = Eigen::internal::pmadd(a, b[p], acc[r][p]);
@@ -141,7 +150,7 @@ inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index 
 template <class T, int MR, int NP, class Src>
 inline void product_tile(const T* A, Index lda, const Src* B, Index ldb, Index depth, T* C,
                          Index ldc, bool accumulate) {
-  tile_kernel<T, MR, NP>(A, lda, 1, B, ldb, depth, C, ldc, accumulate);
+  tile_kernel<T, MR, NP, Src, true>(A, lda, 1, B, ldb, depth, C, ldc, accumulate);
 }
 
 /// product_tile for the last `rows` (< N) rows, in one pass over B.
@@ -158,17 +167,28 @@ inline void product_rest(Index rows, const T* A, Index lda, const Src* B, Index 
 
 /// C[rows, cols] (+)= A[rows, depth] B[depth, cols] in MR x NP-packet register tiles, without
 /// packing (for few rows, or operands already laid out); cols a multiple of the packet size.
+/// The depth is split into blocks whose slice of B fits L1, so that each row tile rereads B from
+/// L1 rather than from L2 or L3; C carries the chain between blocks, so the bits do not change.
 template <class T, int MR, int NP, class Src>
 void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, Index cols,
                    Index depth, T* C, Index ldc, bool accumulate) {
   constexpr Index L = Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
+  constexpr Index kL1Bytes = 32 * 1024;
   auto strip = [&](auto packets, Index c) {
     constexpr int np = decltype(packets)::value;
-    Index r = 0;
-    for (; r + MR <= rows; r += MR)
-      product_tile<T, MR, np>(A + r * lda, lda, B + c, ldb, depth, C + r * ldc + c, ldc, accumulate);
-    product_rest<T, MR, np>(rows - r, A + r * lda, lda, B + c, ldb, depth, C + r * ldc + c, ldc,
-                            accumulate);
+    const Index block = std::max<Index>(8, kL1Bytes / (np * L * static_cast<Index>(sizeof(Src))));
+    Index k0 = 0;
+    do {  // at least once, so that depth 0 still writes C
+      const Index kb = std::min(block, depth - k0);
+      const bool acc = accumulate || k0 > 0;
+      const T* a = A + k0;
+      const Src* b = B + k0 * ldb + c;
+      Index r = 0;
+      for (; r + MR <= rows; r += MR)
+        product_tile<T, MR, np>(a + r * lda, lda, b, ldb, kb, C + r * ldc + c, ldc, acc);
+      product_rest<T, MR, np>(rows - r, a + r * lda, lda, b, ldb, kb, C + r * ldc + c, ldc, acc);
+      k0 += kb;
+    } while (k0 < depth);
   };
   Index c = 0;
   for (; c + NP * L <= cols; c += NP * L) strip(std::integral_constant<int, NP>(), c);

@@ -187,10 +187,11 @@ class Projections {
   void project_out(const ConstRowsRef<T>& C, RowsRef<T> Y, ThreadPool* pool) const {
     linear<T>(C, out_w_, out_b_.size() ? out_b_.data() : nullptr, Y, pool);
   }
-  /// P[n, D] += O_h[n, d] Wo[:, h d : (h+1) d]^T (no bias).
-  void add_out_head(Index h, const ConstRowsRef<T>& O, RowsRef<T> P) const {
-    multiply<T>(O.data(), O.outerStride(), out_w_.operand(0, h * g_.d, true), P.data(),
-                P.outerStride(), O.rows(), g_.D, g_.d, true);
+  /// P[n, m] (+)= O_h[n, d] Wo[c0 : c0 + m, h d : (h+1) d]^T (no bias): output columns
+  /// [c0, c0 + m) of head h, added to P when `accumulate`.
+  void out_head(Index h, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0, bool accumulate) const {
+    multiply<T>(O.data(), O.outerStride(), out_w_.operand(c0, h * g_.d, true), P.data(),
+                P.outerStride(), O.rows(), P.cols(), g_.d, accumulate);
   }
   /// Y rows = output bias (or zero), before routed heads are added.
   void init_output(RowsRef<T> Y) const {
