@@ -1,8 +1,9 @@
 // Prefill benchmarks: dense MultiHeadAttention against MoHAttention at several activation ratios
-// and MoAAttention at several expert counts, at three shapes, plus the projection GEMM alone so
-// that the layers' GFLOP/s read against what Eigen's GEMM reaches in the same run.
+// and MoAAttention at several expert counts, at three shapes, plus the projection GEMM alone
+// (Eigen's and moh's own) so that the layers' GFLOP/s read against both in the same run.
 //
-//   BM_GEMM/rows:N/in:D/out:3D
+//   BM_GEMM/rows:N/in:D/out:3D          (Eigen)
+//   BM_MohGEMM/rows:N/in:D/out:3D       (moh::linear)
 //   BM_MHA_Prefill/batch:B/tokens:T/d_model:D/heads:H
 //   BM_MoH_Prefill/batch:B/tokens:T/d_model:D/heads:H/active_pct:P
 //   BM_MoA_Prefill/batch:B/tokens:T/d_model:D/experts:E/top_k:k/head_dim:d
@@ -38,6 +39,21 @@ void BM_GEMM(benchmark::State& state) {
   moh_bench::fill_uniform(W.data(), W.size(), 2);
   for (auto _ : state) {
     Y.noalias() = X * W.transpose();
+    moh_bench::keep(Y.data());
+  }
+  state.counters["GFLOPs"] = benchmark::Counter(
+      2.0 * N * D * O * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+}
+
+// The same product through moh::linear (detail/gemm.hpp), the path every projection of the
+// layers takes, so that its rate reads against Eigen's in the same run.
+void BM_MohGEMM(benchmark::State& state) {
+  const Index N = state.range(0), D = state.range(1), O = state.range(2);
+  moh::Matrix<float> X(N, D), W(O, D), Y(N, O);
+  moh_bench::fill_uniform(X.data(), X.size(), 1);
+  moh_bench::fill_uniform(W.data(), W.size(), 2);
+  for (auto _ : state) {
+    moh::linear<float>(X, W, nullptr, Y);
     moh_bench::keep(Y.data());
   }
   state.counters["GFLOPs"] = benchmark::Counter(
@@ -179,6 +195,7 @@ void moh_thread_args(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(BM_GEMM)->Apply(gemm_args)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MohGEMM)->Apply(gemm_args)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MHA_Prefill)->Apply(mha_args)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MoH_Prefill)->Apply(moh_args)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MoA_Prefill)->Apply(moa_args)->Unit(benchmark::kMillisecond);

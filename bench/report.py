@@ -128,6 +128,7 @@ def prefill_section(runs, lines, plot_blocks):
     mha = {(*shape_key(r), r.p("heads")): r for r in by_family(runs, "BM_MHA_Prefill")}
     moh = by_family(runs, "BM_MoH_Prefill")
     gemm = {(r.p("rows"), r.p("in")): r for r in by_family(runs, "BM_GEMM")}
+    moh_gemm = {(r.p("rows"), r.p("in")): r for r in by_family(runs, "BM_MohGEMM")}
     shapes = list(OrderedDict.fromkeys([(*shape_key(r), r.p("heads"))
                                         for r in list(mha.values()) + moh]))
     if not shapes:
@@ -164,6 +165,11 @@ def prefill_section(runs, lines, plot_blocks):
             if base and g.c("GFLOPs"):
                 note += (f"; MHA runs at {100 * base.c('GFLOPs') / g.c('GFLOPs'):.0f}% "
                          "of that rate.")
+            mg = moh_gemm.get((B * T, D))
+            if mg and mg.c("GFLOPs"):
+                note += (f" moh's own GEMM (moh::linear) at the same shape: {fmt(mg.ms, 3)} ms, "
+                         f"{fmt(mg.c('GFLOPs'), 1)} GFLOP/s, "
+                         f"{mg.c('GFLOPs') / g.c('GFLOPs'):.2f}x Eigen's rate.")
             lines.append("")
             lines.append(note)
         lines.append("")

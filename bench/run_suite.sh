@@ -8,8 +8,9 @@
 # 2. Builds (when examples/moh_demo.cpp exists) and runs <build-dir>/examples/moh_demo; a demo
 #    that fails is reported and the benchmarks run anyway.
 # 3. Runs moh_bench. Quick run (default, a few minutes on 2 cores): the ViT-B shape prefill (MHA,
-#    MoH at every active %, MoA with E = 8, 16, 32 and k = 2, the projection GEMM), the long
-#    shape (MHA, MoH 50 % and 100 %, 1 and 2 threads), decode at
+#    MoH at every active %, MoA with E = 8, 16, 32 and k = 2), the projection GEMM (Eigen's and
+#    moh's) at the ViT-B and long shapes, the long shape (MHA, MoH 50 % and 100 %, 1 and 2
+#    threads), decode at
 #    context 4096 with d_model 1024 (MHA, MoH 50 %) and memcpy; 3 repetitions.
 #    --full: every benchmark, 5 repetitions (tens of minutes).
 #    Output: <build-dir>/bench-results/results.json (+ console.txt).
@@ -87,7 +88,7 @@ else
     '^BM_(MHA|MoH)_Prefill_Threads/'
     '^BM_MoH_Prefill/batch:1/tokens:197/d_model:768/heads:12/'
     '^BM_MoA_Prefill/batch:1/tokens:197/d_model:768/experts:(8|16|32)/top_k:2/'
-    '^BM_GEMM/rows:197/in:768/out:2304$'
+    '^BM_(Moh)?GEMM/rows:(197/in:768/out:2304|2048/in:1024/out:3072)$'
     '^BM_MHA_Decode/batch:1/context:4096/d_model:1024/heads:16/kv_heads:16$'
     '^BM_MoH_Decode/batch:1/context:4096/d_model:1024/heads:16/kv_heads:16/active_pct:50$'
     '^BM_MemCopy/'
