@@ -239,3 +239,37 @@ TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
 }
 
 }  // namespace
+
+namespace {
+
+// multiply() switches from rows_product to gemm between kFewRows and kFewRows + 1 rows of a
+// transposed operand, and runs [K, N] operands unpacked below kUnpackedRows: every route matches
+// the naive product, in float and double.
+template <class T>
+void check_multiply_routes(double tol_per_term) {
+  const Index K = 131;
+  for (bool transposed : {true, false})
+    for (Index M : {moh::detail::kFewRows, moh::detail::kFewRows + 1, moh::detail::kUnpackedRows - 1,
+                    moh::detail::kUnpackedRows})
+      for (Index N : {GemmShape<T>::L, 3 * GemmShape<T>::L, 3 * GemmShape<T>::L + 1}) {
+        SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " transposed=" << transposed);
+        const Matrix<T> A = moh_test::random_matrix<T>(M, K, 21);
+        const Matrix<T> Bs = transposed ? moh_test::random_matrix<T>(N, K, 22)
+                                        : moh_test::random_matrix<T>(K, N, 22);
+        const Matrix<T> C0 = moh_test::random_matrix<T>(M, N, 23);
+        Matrix<T> C = C0;
+        moh::detail::multiply<T>(A.data(), K, GemmB<T>{Bs.data(), nullptr, Bs.cols(), transposed},
+                                 C.data(), N, M, N, K, true);
+        const Matrix<double> Bd = transposed ? Matrix<double>(Bs.template cast<double>().transpose())
+                                             : Matrix<double>(Bs.template cast<double>());
+        const Matrix<double> want = A.template cast<double>() * Bd + C0.template cast<double>();
+        EXPECT_LE(moh_test::max_abs_diff(C, want), tol_per_term * (K + 2));
+      }
+}
+
+TEST(Multiply, EveryRouteMatchesNaiveInFloatAndDouble) {
+  check_multiply_routes<float>(1e-6);
+  check_multiply_routes<double>(1e-14);
+}
+
+}  // namespace

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -174,13 +175,41 @@ TEST(SoftmaxLse, ProbabilitiesAndLogSumExpOfTheInput) {
       for (int i = 0; i < n; ++i) {
         const double want = x[i] == -kInfF ? 0.0 : std::exp(static_cast<double>(x[i])) / sum;
         EXPECT_NEAR(p[i], want, 1e-6) << "n=" << n << " i=" << i;
-        if (x[i] == -kInfF) EXPECT_EQ(p[i], 0.0f);
+        if (x[i] == -kInfF) {
+          EXPECT_EQ(p[i], 0.0f);
+        }
       }
     }
   }
   std::vector<float> hidden = {-kInfF, -kInfF};
   EXPECT_EQ(moh::softmax_lse(hidden.data(), 2), -kInfF);
   EXPECT_EQ(hidden, (std::vector<float>{0.0f, 0.0f}));
+}
+
+}  // namespace
+
+namespace {
+
+// A row's bits do not depend on its address (router rows lie at every alignment in a matrix),
+// and entries far below the max get what std::exp gives (0 below float's range).
+TEST(SoftmaxLse, SameBitsAtAnyAddressAndFarEntriesLikeStdExp) {
+  std::vector<float> base(40);
+  for (std::size_t i = 0; i < base.size(); ++i) base[i] = std::cos(1.3f * static_cast<float>(i));
+  std::vector<float> first;
+  for (int shift = 0; shift < 16; ++shift) {
+    std::vector<float> buf(base.size() + 16, 0.0f);
+    std::copy(base.begin(), base.end(), buf.begin() + shift);
+    const float lse = moh::softmax_lse(buf.data() + shift, static_cast<moh::Index>(base.size()));
+    std::vector<float> row(buf.begin() + shift, buf.begin() + shift + 40);
+    row.push_back(lse);
+    if (shift == 0) first = row;
+    EXPECT_EQ(std::memcmp(row.data(), first.data(), row.size() * sizeof(float)), 0) << shift;
+  }
+  std::vector<float> far = {0.0f, -1e9f, -200.0f, 1.0f};
+  moh::softmax_lse(far.data(), 4);
+  EXPECT_EQ(far[1], 0.0f);
+  EXPECT_EQ(far[2], 0.0f);  // exp(-201) is below float's range
+  EXPECT_NEAR(far[3], 1.0 / (1.0 + std::exp(-1.0)), 1e-6);
 }
 
 }  // namespace

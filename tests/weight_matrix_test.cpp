@@ -263,7 +263,7 @@ TEST(BFloat16Layers, MoHQueryNormRouterWithGqaAndRope) {
 
 TEST(BFloat16Layers, MoAWithWideExpertBlocks) {
   moh::MoAConfig c;
-  c.embed_dim = 1100;  // an expert's [D, d] query block spans several packed depth blocks
+  c.embed_dim = 1100;  // an expert's [D, d] query block spans several depth blocks
   c.head_dim = 64;
   c.num_experts = 6;
   c.top_k = 2;

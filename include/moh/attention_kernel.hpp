@@ -93,7 +93,8 @@ constexpr int kTileRows = 4;
 template <class T>
 void attention_product(const T* A, Index lda, const T* B, Index ldb, Index rows, Index cols,
                        Index depth, T* C, Index ldc, bool accumulate) {
-  small_product<T, kTileRows, kTilePackets>(A, lda, B, ldb, rows, cols, depth, C, ldc, accumulate);
+  small_product<T, kTileRows, kTilePackets, false>(A, lda, B, ldb, rows, cols, depth, C, ldc,
+                                                   accumulate);
 }
 
 /// Whether the register-tiled products apply to head size d (a whole number of packets).

@@ -7,10 +7,13 @@
 // keeps an MR x NR tile of C in vector registers over KC. The packs live in the thread's scratch
 // arena, so nothing is allocated once warm.
 //
-// Every element of C is one chain of fused multiply-adds over k = 0 .. K-1 in order, starting
-// from C (accumulate) or zero, whatever the blocking, the edge handling or the thread that runs
-// it. A row of C therefore does not depend on which other rows or columns are computed in the
-// same call, and splitting a product into tiles (for threads) gives bitwise the same result.
+// In gemm() and small_product(), every element of C is one chain of multiply-adds (fused where
+// the target has FMA) over k = 0 .. K-1 in order, starting from C (accumulate) or zero, whatever
+// the blocking, the edge handling or the thread that runs it: a row of C does not depend on which
+// other rows or columns are computed in the same call, and the two give the same bits.
+// rows_product() (up to kFewRows rows against W^T, the decode path) sums in packets and then
+// reduces, so its bits differ; multiply() picks it by shape alone, so results still never depend
+// on the thread count.
 #pragma once
 
 #include <algorithm>
@@ -113,10 +116,10 @@ inline T load_scalar(const std::uint16_t* p) {
 
 /// The register tile of every product here: C[MR, NP packets] (+)= A[MR, depth] B[depth, NP
 /// packets], with A(r, k) = A[r * a_row + k * a_k] broadcast, B row k at B + k * b_k (T, or
-/// bfloat16 widened in registers) and C rows at ldc. Each element is one chain of fused
-/// multiply-adds over k in order, from C (accumulate) or zero. kPrefetch: ask for B's row k + 16
-/// while row k is used (unpacked weights of a routed expert come from L3 or memory in rows a
-/// page apart, which the hardware prefetcher does not follow).
+/// bfloat16 widened in registers) and C rows at ldc. Each element is one chain of multiply-adds
+/// over k in order, from C (accumulate) or zero. kPrefetch: ask for B's row k + 16 while row k is
+/// used (unpacked weights of a routed expert come from L3 or memory in rows a page apart, which
+/// the hardware prefetcher does not follow).
 template <class T, int MR, int NP, class Src, bool kPrefetch = false>
 inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index b_k, Index depth,
                         T* C, Index ldc, bool accumulate) {
@@ -132,9 +135,11 @@ inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index 
     for (int p = 0; p < NP; ++p) b[p] = load_packet<T>(B + k * b_k + p * L);
 #if defined(__GNUC__)
     if constexpr (kPrefetch) {
-      const char* ahead = reinterpret_cast<const char*>(B + (k + 16) * b_k);
-      for (Index byte = 0; byte < NP * L * Index(sizeof(Src)); byte += 64)
-        __builtin_prefetch(ahead + byte);  // a hint: never faults, even past the end of B
+      if (k + 16 < depth) {
+        const char* ahead = reinterpret_cast<const char*>(B + (k + 16) * b_k);
+        for (Index byte = 0; byte < NP * L * Index(sizeof(Src)); byte += 64)
+          __builtin_prefetch(ahead + byte);
+      }
     }
 #endif
     for (int r = 0; r < MR; ++r) {
@@ -147,21 +152,21 @@ inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index 
 }
 
 /// Unpacked operands: A rows at stride lda, B rows at ldb.
-template <class T, int MR, int NP, class Src>
+template <class T, int MR, int NP, bool kPrefetch, class Src>
 inline void product_tile(const T* A, Index lda, const Src* B, Index ldb, Index depth, T* C,
                          Index ldc, bool accumulate) {
-  tile_kernel<T, MR, NP, Src, true>(A, lda, 1, B, ldb, depth, C, ldc, accumulate);
+  tile_kernel<T, MR, NP, Src, kPrefetch>(A, lda, 1, B, ldb, depth, C, ldc, accumulate);
 }
 
 /// product_tile for the last `rows` (< N) rows, in one pass over B.
-template <class T, int N, int NP, class Src>
+template <class T, int N, int NP, bool kPrefetch, class Src>
 inline void product_rest(Index rows, const T* A, Index lda, const Src* B, Index ldb, Index depth,
                          T* C, Index ldc, bool accumulate) {
   if constexpr (N > 1) {
     if (rows == N - 1)
-      product_tile<T, N - 1, NP>(A, lda, B, ldb, depth, C, ldc, accumulate);
+      product_tile<T, N - 1, NP, kPrefetch>(A, lda, B, ldb, depth, C, ldc, accumulate);
     else
-      product_rest<T, N - 1, NP>(rows, A, lda, B, ldb, depth, C, ldc, accumulate);
+      product_rest<T, N - 1, NP, kPrefetch>(rows, A, lda, B, ldb, depth, C, ldc, accumulate);
   }
 }
 
@@ -169,7 +174,8 @@ inline void product_rest(Index rows, const T* A, Index lda, const Src* B, Index 
 /// packing (for few rows, or operands already laid out); cols a multiple of the packet size.
 /// The depth is split into blocks whose slice of B fits L1, so that each row tile rereads B from
 /// L1 rather than from L2 or L3; C carries the chain between blocks, so the bits do not change.
-template <class T, int MR, int NP, class Src>
+/// kPrefetch: B comes from outside the caches (a routed expert's weights; see tile_kernel).
+template <class T, int MR, int NP, bool kPrefetch, class Src>
 void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, Index cols,
                    Index depth, T* C, Index ldc, bool accumulate) {
   constexpr Index L = Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
@@ -185,8 +191,9 @@ void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, I
       const Src* b = B + k0 * ldb + c;
       Index r = 0;
       for (; r + MR <= rows; r += MR)
-        product_tile<T, MR, np>(a + r * lda, lda, b, ldb, kb, C + r * ldc + c, ldc, acc);
-      product_rest<T, MR, np>(rows - r, a + r * lda, lda, b, ldb, kb, C + r * ldc + c, ldc, acc);
+        product_tile<T, MR, np, kPrefetch>(a + r * lda, lda, b, ldb, kb, C + r * ldc + c, ldc, acc);
+      product_rest<T, MR, np, kPrefetch>(rows - r, a + r * lda, lda, b, ldb, kb, C + r * ldc + c,
+                                         ldc, acc);
       k0 += kb;
     } while (k0 < depth);
   };
@@ -332,7 +339,8 @@ constexpr Index kFewRows = 4;
 
 /// C[n, count] (+)= A[n, K] W[count, K]^T for n <= kFewRows, straight from W's storage (T or
 /// bfloat16) without packing: each weight is read once from memory (a group of 8 weight rows
-/// stays in L1 while every row of A passes over it). Each C element sums packet-wise partial
+/// stays in L1 while every row of A passes over it, for K up to about 1000 floats; longer rows
+/// come from L2). Each C element sums packet-wise partial
 /// sums, then reduces them (and adds the sum to C when `accumulate`); a row of C does not depend
 /// on the other rows.
 template <class T, class Src>
@@ -394,9 +402,9 @@ void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M
   }
   if (!B.transposed && M < kUnpackedRows && S::L > 1 && N % S::L == 0) {
     if (B.values)
-      small_product<T, S::MR, S::NP>(A, lda, B.values, B.ld, M, N, K, C, ldc, accumulate);
+      small_product<T, S::MR, S::NP, true>(A, lda, B.values, B.ld, M, N, K, C, ldc, accumulate);
     else
-      small_product<T, S::MR, S::NP>(A, lda, B.bf16, B.ld, M, N, K, C, ldc, accumulate);
+      small_product<T, S::MR, S::NP, true>(A, lda, B.bf16, B.ld, M, N, K, C, ldc, accumulate);
     return;
   }
   gemm<T>(A, lda, B, C, ldc, M, N, K, accumulate);
