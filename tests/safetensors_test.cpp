@@ -23,7 +23,12 @@
 #include <sys/types.h>
 #endif
 
+#include "reference/errors.hpp"
+
 namespace {
+
+using moh_test::error_of;
+using moh_test::Mentions;
 
 using Bytes = std::vector<std::uint8_t>;
 
@@ -98,33 +103,8 @@ void write_file(const std::string& path, const Bytes& bytes) {
   ASSERT_TRUE(out.good()) << path;
 }
 
-/// Runs `f`, which must throw moh::Error; returns its message ("" and a failure otherwise).
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const moh::Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected moh::Error, got another exception: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "expected moh::Error, got no exception";
-  return "";
-}
-
 std::string load_error(const Bytes& bytes) {
   return error_of([&] { load(bytes); });
-}
-
-::testing::AssertionResult Mentions(const std::string& message,
-                                    const std::vector<std::string>& parts) {
-  for (const std::string& part : parts) {
-    if (message.find(part) == std::string::npos) {
-      return ::testing::AssertionFailure() << "message \"" << message << "\" lacks \"" << part
-                                           << "\"";
-    }
-  }
-  return ::testing::AssertionSuccess();
 }
 
 /// binary16 decoded by the textbook formula, independent of the library's bit manipulation.

@@ -19,35 +19,15 @@
 
 #include "moh/safetensors.hpp"
 
+#include "reference/errors.hpp"
+
 namespace {
+
+using moh_test::error_of;
+using moh_test::Mentions;
 
 using Bytes = std::vector<std::uint8_t>;
 using moh::DType;
-
-/// Runs `f`, which must throw moh::Error; returns its message ("" and a failure otherwise).
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const moh::Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected moh::Error, got another exception: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "expected moh::Error, got no exception";
-  return "";
-}
-
-::testing::AssertionResult Mentions(const std::string& message,
-                                    const std::vector<std::string>& parts) {
-  for (const std::string& part : parts) {
-    if (message.find(part) == std::string::npos) {
-      return ::testing::AssertionFailure() << "message \"" << message << "\" lacks \"" << part
-                                           << "\"";
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
 
 moh::SafeTensors read_back(const moh::SafeTensorsWriter& w) {
   return moh::SafeTensors::from_bytes(w.to_bytes(), "written");

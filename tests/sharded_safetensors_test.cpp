@@ -17,34 +17,15 @@
 #include "moh/safetensors.hpp"
 #include "moh/safetensors_writer.hpp"
 
+#include "reference/errors.hpp"
+
 namespace {
+
+using moh_test::error_of;
+using moh_test::Mentions;
 
 namespace fs = std::filesystem;
 using moh::DType;
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const moh::Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected moh::Error, got another exception: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "expected moh::Error, got no exception";
-  return "";
-}
-
-::testing::AssertionResult Mentions(const std::string& message,
-                                    const std::vector<std::string>& parts) {
-  for (const std::string& part : parts) {
-    if (message.find(part) == std::string::npos) {
-      return ::testing::AssertionFailure() << "message \"" << message << "\" lacks \"" << part
-                                           << "\"";
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
 
 /// Gives each test its own empty folder under the system temp folder, removed afterwards.
 class ShardedSafeTensors : public ::testing::Test {

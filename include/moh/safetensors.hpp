@@ -501,10 +501,31 @@ inline nlohmann::json parse_json_strictly(const std::uint8_t* text, std::size_t 
   return root;
 }
 
+/// What SafeTensors and ShardedSafeTensors share: the name used in error messages and the
+/// string metadata map, with its accessors.
+class CheckpointSource {
+ public:
+  /// The path (or the name given to from_bytes) used in error messages.
+  const std::string& source() const { return source_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  bool has_metadata(const std::string& key) const { return metadata_.count(key) != 0; }
+  const std::string& metadata_value(const std::string& key) const {
+    const auto it = metadata_.find(key);
+    if (it == metadata_.end()) fail("metadata key '", key, "' missing in ", source_);
+    return it->second;
+  }
+
+ protected:
+  std::string source_;
+  std::map<std::string, std::string> metadata_;
+};
+
 }  // namespace detail
 
 /// A parsed, validated safetensors file. Copies are cheap and share the underlying bytes.
-class SafeTensors {
+/// source() and the "__metadata__" map (metadata(), has_metadata(), metadata_value(): empty if
+/// the file has none) come from detail::CheckpointSource.
+class SafeTensors : public detail::CheckpointSource {
  public:
   /// Maps (POSIX mmap, read-only) and validates the file at `path`; errors name the path. The
   /// result and its copies share the mapping; nothing is copied into memory.
@@ -517,15 +538,6 @@ class SafeTensors {
   static SafeTensors from_bytes(std::vector<std::uint8_t> bytes,
                                 std::string source = "<memory>") {
     return from_shared_bytes(detail::SharedBytes::from_vector(std::move(bytes)), std::move(source));
-  }
-
-  /// The "__metadata__" map (empty if the file has none).
-  const std::map<std::string, std::string>& metadata() const { return metadata_; }
-  bool has_metadata(const std::string& key) const { return metadata_.count(key) != 0; }
-  const std::string& metadata_value(const std::string& key) const {
-    const auto it = metadata_.find(key);
-    if (it == metadata_.end()) detail::fail("metadata key '", key, "' missing in ", source_);
-    return it->second;
   }
 
   /// Tensor names in sorted order.
@@ -605,9 +617,6 @@ class SafeTensors {
     convert_into<bool>(t, [&](std::size_t i, bool v) { out.data()[i] = v; });
     return out;
   }
-
-  /// The path (or the name given to from_bytes) used in error messages.
-  const std::string& source() const { return source_; }
 
  private:
   SafeTensors() = default;
@@ -888,11 +897,9 @@ class SafeTensors {
     }
   }
 
-  std::string source_;
   detail::SharedBytes storage_;  // the whole file, mapped or in memory
   std::size_t data_start_ = 0;   // first byte after the header
   std::map<std::string, TensorInfo> tensors_;
-  std::map<std::string, std::string> metadata_;
 };
 
 }  // namespace moh

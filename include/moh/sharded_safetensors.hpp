@@ -33,7 +33,10 @@
 namespace moh {
 
 /// A checkpoint of one or more safetensors shards. Copies are cheap and share the mappings.
-class ShardedSafeTensors {
+/// source() is the path given to open() (the index, or the single file); metadata() is the
+/// index's "metadata" (strings as they are, other values as their JSON text, e.g. total_size
+/// 1024 -> "1024"), or the single file's "__metadata__".
+class ShardedSafeTensors : public detail::CheckpointSource {
  public:
   /// Opens an index (`path` ends in ".json") and all its shards, or one .safetensors file.
   static ShardedSafeTensors open(const std::string& path) {
@@ -50,16 +53,6 @@ class ShardedSafeTensors {
       out.metadata_ = out.shards_[0].metadata();
     }
     return out;
-  }
-
-  /// The index's "metadata" (strings as they are, other values as their JSON text, e.g.
-  /// total_size 1024 -> "1024"), or the single file's "__metadata__".
-  const std::map<std::string, std::string>& metadata() const { return metadata_; }
-  bool has_metadata(const std::string& key) const { return metadata_.count(key) != 0; }
-  const std::string& metadata_value(const std::string& key) const {
-    const auto it = metadata_.find(key);
-    if (it == metadata_.end()) detail::fail("metadata key '", key, "' missing in ", source_);
-    return it->second;
   }
 
   /// Tensor names of the weight map (or the single file) in sorted order.
@@ -109,9 +102,6 @@ class ShardedSafeTensors {
 
   /// A rank-2 tensor of 0/1 values as a moh::Mask.
   Mask mask(const std::string& name) const { return shard_of(name).mask(name); }
-
-  /// The path given to open() (the index, or the single file).
-  const std::string& source() const { return source_; }
 
   /// The shard that holds `name`; its source() is the shard's path.
   const SafeTensors& shard_of(const std::string& name) const {
@@ -228,10 +218,8 @@ class ShardedSafeTensors {
     return normal.generic_string();
   }
 
-  std::string source_;
   std::vector<SafeTensors> shards_;
   std::map<std::string, std::size_t> where_;  // tensor name -> index into shards_
-  std::map<std::string, std::string> metadata_;
 };
 
 }  // namespace moh
