@@ -196,6 +196,24 @@ TEST(Multiply, UnpackedFewRowsGiveTheBitsOfThePackedGemm) {
         }
 }
 
+TEST(Multiply, ReachIsAPrefetchHintOnly) {
+  // An operand over the first K of a taller matrix's rows may prefetch the rows below (a routed
+  // expert's weights followed by the next expert's); the product is bitwise the same.
+  const Index M = 7, N = GemmShape<float>::NR, K = 40, rows = 100;
+  const Matrix<float> A = moh_test::random_matrix<float>(M, K, 21);
+  const Matrix<float> W = moh_test::random_matrix<float>(rows, N, 22);
+  GemmB<float> near{W.data(), nullptr, N, false}, far = near;
+  far.reach = rows;
+  EXPECT_EQ(far.offset(K, 0).reach, rows - K);
+  EXPECT_EQ(far.offset(rows, 0).reach, 0);
+  Matrix<float> with(M, N), without(M, N);
+  moh::detail::multiply<float>(A.data(), K, far, with.data(), N, M, N, K, false);
+  moh::detail::multiply<float>(A.data(), K, near, without.data(), N, M, N, K, false);
+  EXPECT_TRUE(same_bits(with, without));
+  const Matrix<double> want = A.cast<double>() * W.topRows(K).cast<double>();
+  EXPECT_LE(moh_test::max_abs_diff(with, want), 1e-6 * (K + 2));
+}
+
 TEST(RowsProduct, MatchesNaiveFromFloatAndBFloat16AndAccumulates) {
   for (Index n = 1; n <= moh::detail::kFewRows; ++n)
     for (Index K : {1, 15, 16, 17, 100, 1027})

@@ -78,12 +78,15 @@ class WeightMatrix {
   void set(const ConstRowsRef<T>& w) { set_rows(0, w); }
 
   /// This matrix from element (r0, c0) on as the B operand of detail::gemm(): B = W^T
-  /// (B(k, n) = W(r0 + n, c0 + k)) when `transposed`, else B(k, n) = W(r0 + k, c0 + n).
+  /// (B(k, n) = W(r0 + n, c0 + k)) when `transposed`, else B(k, n) = W(r0 + k, c0 + n). An
+  /// untransposed operand reaches to W's last row, so that a product over one expert's rows
+  /// prefetches the next expert's.
   detail::GemmB<T> operand(Index r0, Index c0, bool transposed) const {
     eigen_assert(r0 >= 0 && c0 >= 0 && r0 <= rows_ && c0 <= cols_);
     detail::GemmB<T> b;
     b.ld = cols_;
     b.transposed = transposed;
+    b.reach = transposed ? 0 : rows_ - r0;
     if (storage_ == WeightStorage::Native)
       b.values = native_.data() + r0 * cols_ + c0;
     else

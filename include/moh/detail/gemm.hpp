@@ -34,16 +34,21 @@ namespace detail {
 /// The B operand of gemm(): element (k, n) of B is
 ///   src[n * ld + k] when `transposed` (B = W^T for a row-major W[N, K]), else src[k * ld + n],
 /// where src is `values` (T) or, when that is null, `bf16` (bfloat16 bits, widened exactly).
+/// `reach` (untransposed B only) is how many rows of the storage, from B's first row on, the
+/// unpacked kernels may prefetch: a routed expert's weights are followed by the next expert's,
+/// which the same call reads next. 0: just the product's depth.
 template <class T>
 struct GemmB {
   const T* values = nullptr;
   const std::uint16_t* bf16 = nullptr;
   Index ld = 0;
   bool transposed = false;
+  Index reach = 0;
 
   /// The same matrix without its first `k` rows and `n` columns.
   GemmB offset(Index k, Index n) const {
     GemmB b = *this;
+    if (!transposed && reach > 0) b.reach = std::max<Index>(0, reach - k);
     const Index at = transposed ? n * ld + k : k * ld + n;
     if (values != nullptr)
       b.values += at;
@@ -117,12 +122,13 @@ inline T load_scalar(const std::uint16_t* p) {
 /// The register tile of every product here: C[MR, NP packets] (+)= A[MR, depth] B[depth, NP
 /// packets], with A(r, k) = A[r * a_row + k * a_k] broadcast, B row k at B + k * b_k (T, or
 /// bfloat16 widened in registers) and C rows at ldc. Each element is one chain of multiply-adds
-/// over k in order, from C (accumulate) or zero. kPrefetch: ask for B's row k + 16 while row k is
-/// used (unpacked weights of a routed expert come from L3 or memory in rows a page apart, which
-/// the hardware prefetcher does not follow).
+/// over k in order, from C (accumulate) or zero. kPrefetch: ask for B's row k + kPrefetchRows
+/// while row k is used, for rows below `reach` (unpacked weights of a routed expert come from L3
+/// or memory in rows up to a page apart, which the hardware prefetcher does not follow).
+constexpr Index kPrefetchRows = 16;
 template <class T, int MR, int NP, class Src, bool kPrefetch = false>
 inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index b_k, Index depth,
-                        T* C, Index ldc, bool accumulate) {
+                        T* C, Index ldc, bool accumulate, Index reach = 0) {
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   P acc[MR][NP];
@@ -130,23 +136,26 @@ inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index 
     for (int p = 0; p < NP; ++p)
       acc[r][p] = accumulate ? Eigen::internal::ploadu<P>(C + r * ldc + p * L)
                              : Eigen::internal::pset1<P>(T(0));
-  for (Index k = 0; k < depth; ++k) {
+  auto step = [&](Index k) {
     P b[NP];
     for (int p = 0; p < NP; ++p) b[p] = load_packet<T>(B + k * b_k + p * L);
-#if defined(__GNUC__)
-    if constexpr (kPrefetch) {
-      if (k + 16 < depth) {
-        const char* ahead = reinterpret_cast<const char*>(B + (k + 16) * b_k);
-        for (Index byte = 0; byte < NP * L * Index(sizeof(Src)); byte += 64)
-          __builtin_prefetch(ahead + byte);
-      }
-    }
-#endif
     for (int r = 0; r < MR; ++r) {
       const P a = Eigen::internal::pset1<P>(A[r * a_row + k * a_k]);
       for (int p = 0; p < NP; ++p) acc[r][p] = Eigen::internal::pmadd(a, b[p], acc[r][p]);
     }
+  };
+  Index k = 0;
+#if defined(__GNUC__)
+  if constexpr (kPrefetch) {  // two loops, so that the hot one has no branch
+    for (const Index ahead = std::min(depth, reach - kPrefetchRows); k < ahead; ++k) {
+      const char* row = reinterpret_cast<const char*>(B + (k + kPrefetchRows) * b_k);
+      for (Index byte = 0; byte < NP * L * Index(sizeof(Src)); byte += 64)
+        __builtin_prefetch(row + byte);
+      step(k);
+    }
   }
+#endif
+  for (; k < depth; ++k) step(k);
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) Eigen::internal::pstoreu(C + r * ldc + p * L, acc[r][p]);
 }
@@ -154,19 +163,20 @@ inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index 
 /// Unpacked operands: A rows at stride lda, B rows at ldb.
 template <class T, int MR, int NP, bool kPrefetch, class Src>
 inline void product_tile(const T* A, Index lda, const Src* B, Index ldb, Index depth, T* C,
-                         Index ldc, bool accumulate) {
-  tile_kernel<T, MR, NP, Src, kPrefetch>(A, lda, 1, B, ldb, depth, C, ldc, accumulate);
+                         Index ldc, bool accumulate, Index reach) {
+  tile_kernel<T, MR, NP, Src, kPrefetch>(A, lda, 1, B, ldb, depth, C, ldc, accumulate, reach);
 }
 
 /// product_tile for the last `rows` (< N) rows, in one pass over B.
 template <class T, int N, int NP, bool kPrefetch, class Src>
 inline void product_rest(Index rows, const T* A, Index lda, const Src* B, Index ldb, Index depth,
-                         T* C, Index ldc, bool accumulate) {
+                         T* C, Index ldc, bool accumulate, Index reach) {
   if constexpr (N > 1) {
     if (rows == N - 1)
-      product_tile<T, N - 1, NP, kPrefetch>(A, lda, B, ldb, depth, C, ldc, accumulate);
+      product_tile<T, N - 1, NP, kPrefetch>(A, lda, B, ldb, depth, C, ldc, accumulate, reach);
     else
-      product_rest<T, N - 1, NP, kPrefetch>(rows, A, lda, B, ldb, depth, C, ldc, accumulate);
+      product_rest<T, N - 1, NP, kPrefetch>(rows, A, lda, B, ldb, depth, C, ldc, accumulate,
+                                            reach);
   }
 }
 
@@ -174,10 +184,13 @@ inline void product_rest(Index rows, const T* A, Index lda, const Src* B, Index 
 /// packing (for few rows, or operands already laid out); cols a multiple of the packet size.
 /// The depth is split into blocks whose slice of B fits L1, so that each row tile rereads B from
 /// L1 rather than from L2 or L3; C carries the chain between blocks, so the bits do not change.
-/// kPrefetch: B comes from outside the caches (a routed expert's weights; see tile_kernel).
+/// kPrefetch: B comes from outside the caches (a routed expert's weights; see tile_kernel). The
+/// first row tile of each block prefetches ahead, up to row `reach` (>= depth) of B, so the end
+/// of one block, and of one product, prefetches the start of the next.
 template <class T, int MR, int NP, bool kPrefetch, class Src>
 void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, Index cols,
-                   Index depth, T* C, Index ldc, bool accumulate) {
+                   Index depth, T* C, Index ldc, bool accumulate, Index reach = 0) {
+  reach = std::max(reach, depth);
   constexpr Index L = Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
   constexpr Index kL1Bytes = 32 * 1024;
   auto strip = [&](auto packets, Index c) {
@@ -191,9 +204,10 @@ void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, I
       const Src* b = B + k0 * ldb + c;
       Index r = 0;
       for (; r + MR <= rows; r += MR)
-        product_tile<T, MR, np, kPrefetch>(a + r * lda, lda, b, ldb, kb, C + r * ldc + c, ldc, acc);
+        product_tile<T, MR, np, kPrefetch>(a + r * lda, lda, b, ldb, kb, C + r * ldc + c, ldc, acc,
+                                           r == 0 ? reach - k0 : 0);
       product_rest<T, MR, np, kPrefetch>(rows - r, a + r * lda, lda, b, ldb, kb, C + r * ldc + c,
-                                         ldc, acc);
+                                         ldc, acc, r == 0 ? reach - k0 : 0);
       k0 += kb;
     } while (k0 < depth);
   };
@@ -402,9 +416,11 @@ void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M
   }
   if (!B.transposed && M < kUnpackedRows && S::L > 1 && N % S::L == 0) {
     if (B.values)
-      small_product<T, S::MR, S::NP, true>(A, lda, B.values, B.ld, M, N, K, C, ldc, accumulate);
+      small_product<T, S::MR, S::NP, true>(A, lda, B.values, B.ld, M, N, K, C, ldc, accumulate,
+                                           B.reach);
     else
-      small_product<T, S::MR, S::NP, true>(A, lda, B.bf16, B.ld, M, N, K, C, ldc, accumulate);
+      small_product<T, S::MR, S::NP, true>(A, lda, B.bf16, B.ld, M, N, K, C, ldc, accumulate,
+                                           B.reach);
     return;
   }
   gemm<T>(A, lda, B, C, ldc, M, N, K, accumulate);
