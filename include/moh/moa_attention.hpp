@@ -187,8 +187,8 @@ class MoAAttention {
     }
 
     detail::HeadPlan<T> plan;
-    plan.build(E, B, Tq, [&](Index row, Index e) { return selected(r, row, e); },
-               [&](Index row, Index e) { return r.gates(row, e); });
+    plan.build_picked(E, B, Tq, r.top_k, [&](Index row, Index s) { return r.selected(row, s); },
+                      [&](Index row, Index e) { return r.gates(row, e); });
     auto project_routed_q = [&](Index e, const Index*, const ConstRowsRef<T>& Xg, RowsRef<T> Qe) {
       project_q(e, Xg, Qe);
     };
@@ -207,12 +207,6 @@ class MoAAttention {
     const Index D = config_.embed_dim, d = config_.head_dim;
     detail::multiply<T>(X.data(), X.outerStride(), q_experts_.operand(e * D, 0, false), Q.data(),
                         Q.outerStride(), X.rows(), d, D, false);
-  }
-
-  static bool selected(const MoARouting<T>& r, Index row, Index e) {
-    for (Index s = 0; s < r.top_k; ++s)
-      if (r.selected(row, s) == e) return true;
-    return false;
   }
 
   template <class Dst>

@@ -150,27 +150,18 @@ struct HeadPlan {
   /// Builds the plan from a [B*T, heads] activity mask and gates.
   template <class ActiveFn, class GateFn>
   void build(Index num_heads, Index b_, Index t_, ActiveFn active, GateFn gate) {
-    heads = num_heads;
-    batch = b_;
-    tokens = t_;
-    const Index n = batch * tokens;
-    offsets.assign(static_cast<std::size_t>(heads + 1), 0);
-    for (Index r = 0; r < n; ++r)
-      for (Index h = 0; h < heads; ++h)
-        if (active(r, h)) ++offsets[static_cast<std::size_t>(h + 1)];
-    for (Index h = 0; h < heads; ++h) offsets[h + 1] += offsets[h];
-    rows.resize(static_cast<std::size_t>(offsets[heads]));
-    positions.resize(rows.size());
-    gates.resize(rows.size());
-    std::vector<Index> fill(offsets.begin(), offsets.end() - 1);
-    for (Index r = 0; r < n; ++r)
-      for (Index h = 0; h < heads; ++h)
-        if (active(r, h)) {
-          const Index i = fill[h]++;
-          rows[i] = r;
-          positions[i] = r % tokens;
-          gates[i] = gate(r, h);
-        }
+    build_from(num_heads, b_, t_, gate, [&](Index r, auto&& add) {
+      for (Index h = 0; h < num_heads; ++h)
+        if (active(r, h)) add(h);
+    });
+  }
+  /// Builds the plan from the k distinct heads pick(r, 0 .. k-1) of each row r, in
+  /// O(B*T*k) rather than O(B*T*heads): a MoA router's top-k experts.
+  template <class PickFn, class GateFn>
+  void build_picked(Index num_heads, Index b_, Index t_, Index k, PickFn pick, GateFn gate) {
+    build_from(num_heads, b_, t_, gate, [&](Index r, auto&& add) {
+      for (Index s = 0; s < k; ++s) add(pick(r, s));
+    });
   }
   /// Range of head h's pairs whose rows lie in [r0, r1).
   std::pair<Index, Index> range(Index h, Index r0, Index r1) const {
@@ -178,6 +169,31 @@ struct HeadPlan {
     return {std::lower_bound(first, last, r0) - rows.begin(),
             std::lower_bound(first, last, r1) - rows.begin()};
   }
+
+ private:
+  // each_head(r, add) calls add(h) once for every head h that row r uses.
+  template <class GateFn, class EachHead>
+  void build_from(Index num_heads, Index b_, Index t_, GateFn gate, EachHead each_head) {
+    heads = num_heads;
+    batch = b_;
+    tokens = t_;
+    const Index n = batch * tokens;
+    offsets.assign(static_cast<std::size_t>(heads + 1), 0);
+    for (Index r = 0; r < n; ++r) each_head(r, [&](Index h) { ++offsets[h + 1]; });
+    for (Index h = 0; h < heads; ++h) offsets[h + 1] += offsets[h];
+    rows.resize(static_cast<std::size_t>(offsets[heads]));
+    positions.resize(rows.size());
+    gates.resize(rows.size());
+    fill_.assign(offsets.begin(), offsets.end() - 1);
+    for (Index r = 0; r < n; ++r)  // rows in order, so each head's rows ascend
+      each_head(r, [&](Index h) {
+        const Index i = fill_[h]++;
+        rows[i] = r;
+        positions[i] = r % tokens;
+        gates[i] = gate(r, h);
+      });
+  }
+  std::vector<Index> fill_;  // next free slot of each head while building
 };
 
 constexpr Index kRoutedRowTile = 128;    // rows per projection task of the routed path
