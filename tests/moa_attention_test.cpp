@@ -295,8 +295,9 @@ void check_threads(Index D, Index Tn) {
 }
 
 TYPED_TEST(MoATest, ThreadCountDoesNotChangeBits) {
-  // D = 300 splits the routed output stage into several column tiles (128 + 128 + 44).
-  for (const auto& [D, Tn] : {std::pair<Index, Index>{20, 150}, std::pair<Index, Index>{300, 60}})
+  // 400 tokens: 320 rows per expert, so the routed output stage runs in row tiles. D = 300 with
+  // 60 tokens: few rows per expert, so it runs in several column tiles (128 + 128 + 44).
+  for (const auto& [D, Tn] : {std::pair<Index, Index>{20, 400}, std::pair<Index, Index>{300, 60}})
     check_threads<TypeParam>(D, Tn);
 }
 

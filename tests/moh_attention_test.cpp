@@ -392,9 +392,9 @@ void check_threads(Index D, Index Tn) {
 }
 
 TYPED_TEST(MoHTest, ThreadCountDoesNotChangeBits) {
-  // D = 300 with 60 tokens: few rows per head, so the routed output stage runs in several column
-  // tiles (128 + 128 + 44).
-  for (const auto& [D, Tn] : {std::pair<Index, Index>{20, 150}, std::pair<Index, Index>{300, 60}})
+  // 400 tokens: 480 rows per head, so the routed output stage runs in row tiles. D = 300 with
+  // 60 tokens: few rows per head, so it runs in several column tiles (128 + 128 + 44).
+  for (const auto& [D, Tn] : {std::pair<Index, Index>{20, 400}, std::pair<Index, Index>{300, 60}})
     check_threads<TypeParam>(D, Tn);
 }
 
