@@ -232,8 +232,13 @@ void pack_transposed(const Src* src, Index lds, Index rows, Index cols, T* dst, 
         Eigen::internal::ptranspose(block);
         for (Index i = 0; i < L; ++i) Eigen::internal::pstoreu(dst + (k + i) * ldd + j, block.packet[i]);
       }
-      for (; k < cols; ++k)
-        for (Index i = 0; i < L; ++i) dst[k * ldd + j + i] = load_scalar<T>(src + (j + i) * lds + k);
+      // Fewer than L columns are left. The explicit bound keeps GCC -O3 from warning that an
+      // unbounded k would overflow (-Waggressive-loop-optimizations) in consumers' builds.
+      for (Index t = 1; t < L && k < cols; ++t, ++k) {
+        T* d = dst + k * ldd + j;
+        const Src* s = src + j * lds + k;
+        for (Index i = 0; i < L; ++i) d[i] = load_scalar<T>(s + i * lds);
+      }
     }
   }
   for (; j < rows; ++j)
