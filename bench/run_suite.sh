@@ -11,8 +11,10 @@
 #    MoH at every active %, MoA with E = 8, 16, 32 and k = 2), the projection GEMM (Eigen's and
 #    moh's) at the ViT-B and long shapes, the long shape (MHA, MoH 50 % and 100 %, 1 and 2
 #    threads), decode at
-#    context 4096 with d_model 1024 (MHA, MoH 50 %) and memcpy; 3 repetitions.
+#    context 4096 with d_model 1024 (MHA, MoH 50 %) and memcpy; 5 repetitions.
 #    --full: every benchmark, 5 repetitions (tens of minutes).
+#    Repetitions of different benchmarks run interleaved in random order, so that a slow spell
+#    of a shared machine spreads over all of them instead of skewing the ratios between them.
 #    Output: <build-dir>/bench-results/results.json (+ console.txt).
 # 4. bench/report.py writes <build-dir>/bench-results/results.md and moh_vs_active.png (gnuplot)
 #    and prints the tables.
@@ -94,11 +96,12 @@ else
     '^BM_MemCopy/'
   )
   filter="$(IFS='|'; echo "${quick[*]}")"
-  reps=3
+  reps=5
 fi
 args=(
   "--benchmark_filter=$filter"
   "--benchmark_repetitions=$reps"
+  "--benchmark_enable_random_interleaving=true"
   "--benchmark_report_aggregates_only=false"
   "--benchmark_display_aggregates_only=false"
   "--benchmark_out=$out_dir/results.json"
