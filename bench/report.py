@@ -44,6 +44,7 @@ class Run:
         self.times_ms = []
         self.counters = {}
         self.label = ""
+        self.order = (0, 0)  # registration order in moh_bench (family, instance)
 
     def add(self, b):
         scale = UNIT_MS[b.get("time_unit", "ns")]
@@ -53,6 +54,7 @@ class Run:
             if k not in STANDARD_FIELDS and isinstance(v, (int, float)):
                 self.counters.setdefault(k, []).append(float(v))
         self.label = b.get("label", self.label)
+        self.order = (b.get("family_index", 0), b.get("per_family_instance_index", 0))
 
     @property
     def ms(self):
@@ -83,6 +85,8 @@ def load_runs(path):
             continue
         name = b.get("run_name", b["name"])
         runs.setdefault(name, Run(name)).add(b)
+    # Repetitions run interleaved in random order (run_suite.sh); report in registration order.
+    runs = OrderedDict(sorted(runs.items(), key=lambda item: item[1].order))
     return data.get("context", {}), runs, errors
 
 

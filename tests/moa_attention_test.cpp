@@ -265,7 +265,8 @@ TYPED_TEST(MoATest, JetMoEGatingMatchesReference) {
   }
 }
 
-// Results must not depend on the number of threads: bitwise, self and cross, both modes.
+// Results must not depend on the number of threads: bitwise, self and cross, both modes. The
+// sparse path (row or column tiles, by shape) agrees with the dense one.
 template <class T>
 void check_threads(Index D, Index Tn) {
   const Index B = 2;
@@ -274,6 +275,7 @@ void check_threads(Index D, Index Tn) {
   const Tensor3<T> mem = moh_ref::random_tensor<T>(B, 70, D, 702);
   Mask pad = moh_ref::no_padding(B, Tn);
   pad(0, 3) = pad(1, Tn - 1) = true;
+  std::vector<Tensor3<T>> bases;  // self, cross of each mode
   for (ComputeMode mode : kModes) {
     ForwardOptions o;
     o.mode = mode;
@@ -291,7 +293,12 @@ void check_threads(Index D, Index Tn) {
       EXPECT_EQ(std::memcmp(yc.data(), base_cross.data(), yc.size() * sizeof(T)), 0)
           << threads << " threads, cross, " << name(mode);
     }
+    bases.push_back(base);
+    bases.push_back(base_cross);
   }
+  EXPECT_LE(relative_error(bases[0], to_ref(bases[2])), moh_ref::Tol<T>::rel) << "sparse vs dense";
+  EXPECT_LE(relative_error(bases[1], to_ref(bases[3])), moh_ref::Tol<T>::rel)
+      << "sparse vs dense, cross";
 }
 
 TYPED_TEST(MoATest, ThreadCountDoesNotChangeBits) {

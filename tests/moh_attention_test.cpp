@@ -362,7 +362,8 @@ TYPED_TEST(MoHTest, UnpickedHeadsDoNotAffectOutput) {
   }
 }
 
-// Results must not depend on the number of threads: bitwise, both routers, both modes.
+// Results must not depend on the number of threads: bitwise, both routers, both modes. The
+// sparse path (row or column tiles, by shape) agrees with the dense one.
 template <class T>
 void check_threads(Index D, Index Tn) {
   const Index B = 2;
@@ -374,12 +375,14 @@ void check_threads(Index D, Index Tn) {
     c.router = router;
     c.rope = router == MoHRouter::QueryNorm;
     const MoHAttention<T> m(c, 9000);
+    std::vector<Tensor3<T>> bases;
     for (ComputeMode mode : kModes) {
       ForwardOptions o;
       o.mode = mode;
       o.causal = true;
       o.key_padding_mask = moh::map_mask(pad);
       const Tensor3<T> base = run(m, x, o);
+      bases.push_back(base);
       for (int threads : {1, 2, 3}) {
         moh::ThreadPool pool(threads);
         o.pool = &pool;
@@ -388,6 +391,8 @@ void check_threads(Index D, Index Tn) {
             << threads << " threads, " << name(mode);
       }
     }
+    EXPECT_LE(relative_error(bases[0], to_ref(bases[1])), moh_ref::Tol<T>::rel)
+        << "sparse vs dense";
   }
 }
 

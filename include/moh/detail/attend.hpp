@@ -171,7 +171,7 @@ struct HeadPlan {
   }
 
  private:
-  // each_head(r, add) calls add(h) once for every head h that row r uses.
+  // each_head(r, add) calls add(h) once for every head h that row r uses (distinct heads).
   template <class GateFn, class EachHead>
   void build_from(Index num_heads, Index b_, Index t_, GateFn gate, EachHead each_head) {
     heads = num_heads;
@@ -179,21 +179,25 @@ struct HeadPlan {
     tokens = t_;
     const Index n = batch * tokens;
     offsets.assign(static_cast<std::size_t>(heads + 1), 0);
-    for (Index r = 0; r < n; ++r) each_head(r, [&](Index h) { ++offsets[h + 1]; });
+    for (Index r = 0; r < n; ++r)
+      each_head(r, [&](Index h) {
+        eigen_assert(h >= 0 && h < heads);
+        ++offsets[h + 1];
+      });
     for (Index h = 0; h < heads; ++h) offsets[h + 1] += offsets[h];
     rows.resize(static_cast<std::size_t>(offsets[heads]));
     positions.resize(rows.size());
     gates.resize(rows.size());
-    fill_.assign(offsets.begin(), offsets.end() - 1);
+    std::vector<Index> fill(offsets.begin(), offsets.end() - 1);  // next free slot of each head
     for (Index r = 0; r < n; ++r)  // rows in order, so each head's rows ascend
       each_head(r, [&](Index h) {
-        const Index i = fill_[h]++;
+        const Index i = fill[h]++;
+        eigen_assert(i == offsets[h] || rows[i - 1] < r);  // a head picked twice for one row
         rows[i] = r;
         positions[i] = r % tokens;
         gates[i] = gate(r, h);
       });
   }
-  std::vector<Index> fill_;  // next free slot of each head while building
 };
 
 constexpr Index kRoutedRowTile = 128;    // rows per projection task of the routed path

@@ -128,7 +128,7 @@ inline T load_scalar(const std::uint16_t* p) {
 constexpr Index kPrefetchRows = 16;
 template <class T, int MR, int NP, class Src, bool kPrefetch = false>
 inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index b_k, Index depth,
-                        T* C, Index ldc, bool accumulate, Index reach = 0) {
+                        T* C, Index ldc, bool accumulate, [[maybe_unused]] Index reach = 0) {
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   P acc[MR][NP];
@@ -148,6 +148,7 @@ inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index 
 #if defined(__GNUC__)
   if constexpr (kPrefetch) {  // two loops, so that the hot one has no branch
     for (const Index ahead = std::min(depth, reach - kPrefetchRows); k < ahead; ++k) {
+      eigen_assert(k + kPrefetchRows < reach);
       const char* row = reinterpret_cast<const char*>(B + (k + kPrefetchRows) * b_k);
       for (Index byte = 0; byte < NP * L * Index(sizeof(Src)); byte += 64)
         __builtin_prefetch(row + byte);
@@ -190,6 +191,7 @@ inline void product_rest(Index rows, const T* A, Index lda, const Src* B, Index 
 template <class T, int MR, int NP, bool kPrefetch, class Src>
 void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, Index cols,
                    Index depth, T* C, Index ldc, bool accumulate, Index reach = 0) {
+  eigen_assert(reach == 0 || reach >= depth);
   reach = std::max(reach, depth);
   constexpr Index L = Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
   constexpr Index kL1Bytes = 32 * 1024;
