@@ -42,9 +42,10 @@ std::vector<std::array<Index, 3>> shapes() {
 }
 
 // B as a dense [K, N] reference in double, from `stored` laid out as the operand describes.
-Matrix<double> b_reference(const Matrix<float>& stored, bool transposed) {
-  return transposed ? Matrix<double>(stored.cast<double>().transpose())
-                    : Matrix<double>(stored.cast<double>());
+template <class T>
+Matrix<double> b_reference(const Matrix<T>& stored, bool transposed) {
+  return transposed ? Matrix<double>(stored.template cast<double>().transpose())
+                    : Matrix<double>(stored.template cast<double>());
 }
 
 TEST(Gemm, MatchesNaiveForBothLayoutsWithAndWithoutAccumulation) {
@@ -281,9 +282,8 @@ void check_multiply_routes(double tol_per_term) {
         Matrix<T> C = C0;
         moh::detail::multiply<T>(A.data(), K, GemmB<T>{Bs.data(), nullptr, Bs.cols(), transposed},
                                  C.data(), N, M, N, K, true);
-        const Matrix<double> Bd = transposed ? Matrix<double>(Bs.template cast<double>().transpose())
-                                             : Matrix<double>(Bs.template cast<double>());
-        const Matrix<double> want = A.template cast<double>() * Bd + C0.template cast<double>();
+        const Matrix<double> want =
+            A.template cast<double>() * b_reference(Bs, transposed) + C0.template cast<double>();
         EXPECT_LE(moh_test::max_abs_diff(C, want), tol_per_term * (K + 2));
       }
 }
