@@ -200,10 +200,11 @@ TEST(Multiply, UnpackedFewRowsGiveTheBitsOfThePackedGemm) {
 TEST(Multiply, ReachIsAPrefetchHintOnly) {
   // An operand over the first K of a taller matrix's rows may prefetch the rows below (a routed
   // expert's weights followed by the next expert's); the product is bitwise the same. K spans
-  // several of small_product's depth blocks and M several row tiles; in a build with assertions
-  // the kernels check that no prefetch is formed at or past `reach`.
+  // several of small_product's depth blocks, M several row tiles and N two whole strips and a
+  // narrow one, so that row tiles prefetch the next block, the next strip and the rows past K;
+  // in a build with assertions small_product checks that no prefetch reaches row `reach`.
   using S = GemmShape<float>;
-  const Index M = 2 * S::MR + 1, N = S::NR + S::L, K = 1100, rows = K + 5;
+  const Index M = 2 * S::MR + 1, N = 2 * S::NR + S::L, K = 1100, rows = K + 5;
   const Matrix<float> A = moh_test::random_matrix<float>(M, K, 21);
   const Matrix<float> W = moh_test::random_matrix<float>(rows, N, 22);
   GemmB<float> near{W.data(), nullptr, N, false}, far = near;

@@ -122,13 +122,17 @@ inline T load_scalar(const std::uint16_t* p) {
 /// The register tile of every product here: C[MR, NP packets] (+)= A[MR, depth] B[depth, NP
 /// packets], with A(r, k) = A[r * a_row + k * a_k] broadcast, B row k at B + k * b_k (T, or
 /// bfloat16 widened in registers) and C rows at ldc. Each element is one chain of multiply-adds
-/// over k in order, from C (accumulate) or zero. kPrefetch: ask for B's row k + kPrefetchRows
-/// while row k is used, for rows below `reach` (unpacked weights of a routed expert come from L3
-/// or memory in rows up to a page apart, which the hardware prefetcher does not follow).
-constexpr Index kPrefetchRows = 16;
+/// over k in order, from C (accumulate) or zero. kPrefetch: while row k is used, ask for row k
+/// of `pf` (rows at B's stride, NP packets wide) for k < pf_rows: the caller points it at the
+/// weights it reads next (unpacked weights of a routed expert come from L3 or memory in rows up
+/// to a page apart, which the hardware prefetcher does not follow).
+/// Always inlined, with product_tile and product_rest: GCC's own choice varies with small
+/// changes to the callers, and an out-of-line copy of the prefetching kernel measured 5-25 %
+/// slower in MoA at ViT shape (in-process A/B).
 template <class T, int MR, int NP, class Src, bool kPrefetch = false>
-inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index b_k, Index depth,
-                        T* C, Index ldc, bool accumulate, [[maybe_unused]] Index reach = 0) {
+EIGEN_ALWAYS_INLINE void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index b_k, Index depth,
+                        T* C, Index ldc, bool accumulate, [[maybe_unused]] const Src* pf = nullptr,
+                        [[maybe_unused]] Index pf_rows = 0) {
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   P acc[MR][NP];
@@ -147,9 +151,8 @@ inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index 
   Index k = 0;
 #if defined(__GNUC__)
   if constexpr (kPrefetch) {  // two loops, so that the hot one has no branch
-    for (const Index ahead = std::min(depth, reach - kPrefetchRows); k < ahead; ++k) {
-      eigen_assert(k + kPrefetchRows < reach);
-      const char* row = reinterpret_cast<const char*>(B + (k + kPrefetchRows) * b_k);
+    for (const Index ahead = std::min(depth, pf_rows); k < ahead; ++k) {
+      const char* row = reinterpret_cast<const char*>(pf + k * b_k);
       for (Index byte = 0; byte < NP * L * Index(sizeof(Src)); byte += 64)
         __builtin_prefetch(row + byte);
       step(k);
@@ -161,33 +164,45 @@ inline void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index 
     for (int p = 0; p < NP; ++p) Eigen::internal::pstoreu(C + r * ldc + p * L, acc[r][p]);
 }
 
+/// Where one row tile of small_product() prefetches: `rows` rows of B from `at` (none if 0).
+template <class Src>
+struct TilePrefetch {
+  const Src* at = nullptr;
+  Index rows = 0;
+};
+
 /// Unpacked operands: A rows at stride lda, B rows at ldb.
 template <class T, int MR, int NP, bool kPrefetch, class Src>
-inline void product_tile(const T* A, Index lda, const Src* B, Index ldb, Index depth, T* C,
-                         Index ldc, bool accumulate, Index reach) {
-  tile_kernel<T, MR, NP, Src, kPrefetch>(A, lda, 1, B, ldb, depth, C, ldc, accumulate, reach);
+EIGEN_ALWAYS_INLINE void product_tile(const T* A, Index lda, const Src* B, Index ldb, Index depth, T* C,
+                         Index ldc, bool accumulate, TilePrefetch<Src> pf) {
+  tile_kernel<T, MR, NP, Src, kPrefetch>(A, lda, 1, B, ldb, depth, C, ldc, accumulate, pf.at,
+                                         pf.rows);
 }
 
 /// product_tile for the last `rows` (< N) rows, in one pass over B.
 template <class T, int N, int NP, bool kPrefetch, class Src>
-inline void product_rest(Index rows, const T* A, Index lda, const Src* B, Index ldb, Index depth,
-                         T* C, Index ldc, bool accumulate, Index reach) {
+EIGEN_ALWAYS_INLINE void product_rest(Index rows, const T* A, Index lda, const Src* B, Index ldb, Index depth,
+                         T* C, Index ldc, bool accumulate, TilePrefetch<Src> pf) {
   if constexpr (N > 1) {
     if (rows == N - 1)
-      product_tile<T, N - 1, NP, kPrefetch>(A, lda, B, ldb, depth, C, ldc, accumulate, reach);
+      product_tile<T, N - 1, NP, kPrefetch>(A, lda, B, ldb, depth, C, ldc, accumulate, pf);
     else
-      product_rest<T, N - 1, NP, kPrefetch>(rows, A, lda, B, ldb, depth, C, ldc, accumulate,
-                                            reach);
+      product_rest<T, N - 1, NP, kPrefetch>(rows, A, lda, B, ldb, depth, C, ldc, accumulate, pf);
   }
 }
+
+/// Rows of B ahead of the row being multiplied that the first row tile of a block prefetches.
+constexpr Index kPrefetchRows = 16;
 
 /// C[rows, cols] (+)= A[rows, depth] B[depth, cols] in MR x NP-packet register tiles, without
 /// packing (for few rows, or operands already laid out); cols a multiple of the packet size.
 /// The depth is split into blocks whose slice of B fits L1, so that each row tile rereads B from
 /// L1 rather than from L2 or L3; C carries the chain between blocks, so the bits do not change.
 /// kPrefetch: B comes from outside the caches (a routed expert's weights; see tile_kernel). The
-/// first row tile of each block prefetches ahead, up to row `reach` (>= depth) of B, so the end
-/// of one block, and of one product, prefetches the start of the next.
+/// first row tile of each block prefetches kPrefetchRows ahead within the block; the other row
+/// tiles share out the block read next (the next depth block, else the next strip's first, else
+/// the rows past `depth`: the next expert's, as far as row `reach` (>= depth) of B), so that
+/// memory is busy while the block in L1 is multiplied, not only while it is first read.
 template <class T, int MR, int NP, bool kPrefetch, class Src>
 void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, Index cols,
                    Index depth, T* C, Index ldc, bool accumulate, Index reach = 0) {
@@ -198,18 +213,47 @@ void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, I
   auto strip = [&](auto packets, Index c) {
     constexpr int np = decltype(packets)::value;
     const Index block = std::max<Index>(8, kL1Bytes / (np * L * static_cast<Index>(sizeof(Src))));
+    const Index blocks = (depth + block - 1) / block, strips = cols / (NP * L);
+    const Index tiles = (rows + MR - 1) / MR;
     Index k0 = 0;
     do {  // at least once, so that depth 0 still writes C
       const Index kb = std::min(block, depth - k0);
       const bool acc = accumulate || k0 > 0;
       const T* a = A + k0;
       const Src* b = B + k0 * ldb + c;
-      Index r = 0;
-      for (; r + MR <= rows; r += MR)
+      // The block read after this one, in the order strips (of whole panels) outer, depth blocks
+      // inner, continued past `depth` by the next expert of the same shape.
+      TilePrefetch<Src> next;
+      if constexpr (kPrefetch) {
+        if (np == NP && tiles > 1) {
+          const Index at = (c / (NP * L)) * blocks + k0 / block + 1;
+          const Index strip_of = (at / blocks) % strips;
+          const Index k_of = (at / blocks / strips) * depth + (at % blocks) * block;
+          next.rows = std::min({block, depth - (at % blocks) * block, reach - k_of});
+          if (next.rows > 0) next.at = B + k_of * ldb + strip_of * NP * L;
+        }
+      }
+      auto prefetch_of = [&](Index tile) {
+        TilePrefetch<Src> pf;
+        if constexpr (kPrefetch) {
+          if (tile == 0) {  // its own block; alone, also the start of the next
+            const Index end = tiles > 1 ? std::min(kb, reach - k0)
+                                        : std::min(kb + kPrefetchRows, reach - k0);
+            if (end > kPrefetchRows) pf = {b + kPrefetchRows * ldb, end - kPrefetchRows};
+          } else if (next.rows > 0) {
+            const Index lo = next.rows * (tile - 1) / (tiles - 1), hi = next.rows * tile / (tiles - 1);
+            pf = {next.at + lo * ldb, hi - lo};
+          }
+          eigen_assert(pf.rows <= 0 || (pf.at - B) / ldb + pf.rows <= reach);
+        }
+        return pf;
+      };
+      Index r = 0, tile = 0;
+      for (; r + MR <= rows; r += MR, ++tile)
         product_tile<T, MR, np, kPrefetch>(a + r * lda, lda, b, ldb, kb, C + r * ldc + c, ldc, acc,
-                                           r == 0 ? reach - k0 : 0);
+                                           prefetch_of(tile));
       product_rest<T, MR, np, kPrefetch>(rows - r, a + r * lda, lda, b, ldb, kb, C + r * ldc + c,
-                                         ldc, acc, r == 0 ? reach - k0 : 0);
+                                         ldc, acc, prefetch_of(tile));
       k0 += kb;
     } while (k0 < depth);
   };
