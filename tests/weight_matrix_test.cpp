@@ -2,6 +2,7 @@
 // linear() against the native GEMM on the rounded weights.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -110,6 +111,40 @@ TEST(WeightMatrix, StoresValuesRoundedAndHalvesTheBytes) {
   bf16.set_rows(10, top);
   EXPECT_EQ(Matrix<float>(bf16.values().middleRows(10, 5)), rounded(top));
   EXPECT_EQ(Matrix<float>(bf16.values().topRows(10)), Matrix<float>(rounded(w).topRows(10)));
+}
+
+// Column panels change where the weights live, not what they are: values() and set_rows() see
+// the same matrix as in row-major storage, and an untransposed operand at a panel's first column
+// multiplies to the same bits as the row-major operand, for whole panels and a narrower last one.
+TEST(WeightMatrix, ColumnPanelsHoldTheSameMatrix) {
+  const Index rows = 40, cols = 300, panel = 128;  // panels of 128, 128 and 44 columns
+  const Matrix<float> w = random_matrix(rows, cols, 6), part = random_matrix(7, cols, 7);
+  const Matrix<float> A = random_matrix(13, 10, 8);
+  for (WeightStorage storage : {WeightStorage::Native, WeightStorage::BFloat16}) {
+    SCOPED_TRACE(moh::weight_storage_name(storage));
+    WeightMatrix<float> plain(rows, cols, storage), panels(rows, cols, storage, panel);
+    EXPECT_EQ(panels.panel(), panel);
+    EXPECT_EQ(plain.panel(), cols);
+    plain.set(w);
+    panels.set(w);
+    plain.set_rows(20, part);
+    panels.set_rows(20, part);
+    EXPECT_EQ(panels.values(), plain.values());
+    EXPECT_EQ(panels.bytes(), plain.bytes());
+    for (Index c0 = 0; c0 < cols; c0 += panel)
+      for (Index r0 : {Index(0), Index(10), Index(30)}) {
+        const Index n = std::min(panel, cols - c0);
+        const moh::detail::GemmB<float> b = panels.operand(r0, c0, false);
+        EXPECT_EQ(b.ld, n);
+        EXPECT_EQ(b.reach, rows - r0);
+        Matrix<float> got(A.rows(), n), want(A.rows(), n);
+        moh::detail::multiply<float>(A.data(), A.cols(), b, got.data(), n, A.rows(), n, A.cols(),
+                                     false);
+        moh::detail::multiply<float>(A.data(), A.cols(), plain.operand(r0, c0, false), want.data(),
+                                     n, A.rows(), n, A.cols(), false);
+        EXPECT_EQ(got, want) << "rows from " << r0 << ", columns from " << c0;
+      }
+  }
 }
 
 // linear() on bfloat16 weights equals the GEMM on the rounded weights to float rounding, for a

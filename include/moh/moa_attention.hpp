@@ -54,7 +54,9 @@ class MoAAttention {
   explicit MoAAttention(const MoAConfig& config) : config_(validated(config)) {
     const Index D = config.embed_dim, d = config.head_dim, E = config.num_experts;
     q_experts_ = WeightMatrix<T>(E * D, d, config.weight_storage);
-    out_experts_ = WeightMatrix<T>(E * d, D, config.weight_storage);
+    // In column panels of the routed output stage's width: each (panel, expert) slice is
+    // contiguous, so the stage streams the weights it reads.
+    out_experts_ = WeightMatrix<T>(E * d, D, config.weight_storage, detail::kRoutedColumnTile);
     gate_.setZero(D, E);
     kv_ = WeightMatrix<T>(2 * d, D, config.weight_storage);
   }
@@ -181,8 +183,7 @@ class MoAAttention {
                               d, opts.causal, C.data(), opts.pool);
       for (Index i = 0; i < N; ++i)
         for (Index e = 0; e < E; ++e) C.row(i).segment(e * d, d) *= r.gates(i, e);
-      detail::multiply<T>(C.data(), C.outerStride(), out_experts_.operand(0, 0, false), Y.data(),
-                          Y.outerStride(), N, D, E * d, false);
+      project_out(0, C, Y, 0, E * d, false);
       return;
     }
 
@@ -192,13 +193,10 @@ class MoAAttention {
     auto project_routed_q = [&](Index e, const Index*, const ConstRowsRef<T>& Xg, RowsRef<T> Qe) {
       project_q(e, Xg, Qe);
     };
-    auto project_out = [&](Index e, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0,
-                           bool accumulate) {
-      detail::multiply<T>(O.data(), O.outerStride(), out_experts_.operand(e * d, c0, false),
-                          P.data(), P.outerStride(), O.rows(), P.cols(), d, accumulate);
-    };
+    auto project_routed_out = [&](Index e, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0,
+                                  bool accumulate) { project_out(e * d, O, P, c0, d, accumulate); };
     Y.setZero();
-    detail::attend_routed<T>(plan, X, kv, d, opts.causal, true, project_routed_q, project_out,
+    detail::attend_routed<T>(plan, X, kv, d, opts.causal, true, project_routed_q, project_routed_out,
                              [](Index) { return Index(0); }, Y, opts.pool);
   }
 
@@ -207,6 +205,19 @@ class MoAAttention {
     const Index D = config_.embed_dim, d = config_.head_dim;
     detail::multiply<T>(X.data(), X.outerStride(), q_experts_.operand(e * D, 0, false), Q.data(),
                         Q.outerStride(), X.rows(), d, D, false);
+  }
+
+  /// P[n, m] (+)= O[n, depth] W_o[r0 : r0 + depth, c0 : c0 + m] (expert outputs stacked in
+  /// rows), one column panel of the weights at a time; c0 starts a panel.
+  void project_out(Index r0, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0, Index depth,
+                   bool accumulate) const {
+    const Index panel = out_experts_.panel();
+    eigen_assert(c0 % panel == 0);
+    for (Index c = 0; c < P.cols(); c += panel) {
+      const Index w = std::min(panel, P.cols() - c);
+      detail::multiply<T>(O.data(), O.outerStride(), out_experts_.operand(r0, c0 + c, false),
+                          P.data() + c, P.outerStride(), O.rows(), w, depth, accumulate);
+    }
   }
 
   template <class Dst>

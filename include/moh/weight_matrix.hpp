@@ -31,22 +31,30 @@ inline const char* weight_storage_name(WeightStorage s) {
   return s == WeightStorage::BFloat16 ? "bfloat16" : "native";
 }
 
+/// A weight matrix W[rows, cols]. By default it is stored row-major. With a `panel` width it is
+/// stored in column panels: columns [j0, j0 + w) (w = panel, less for the last) are one
+/// row-major [rows, w] block, and the blocks follow one another. A routed layer that multiplies
+/// one column panel of many experts' rows at a time then reads each expert's slice as one
+/// contiguous run, which the hardware prefetcher streams, rather than rows a page apart.
 template <class T>
 class WeightMatrix {
  public:
   WeightMatrix() = default;
-  /// A zero [rows, cols] matrix.
-  WeightMatrix(Index rows, Index cols, WeightStorage storage)
-      : rows_(rows), cols_(cols), storage_(storage) {
+  /// A zero [rows, cols] matrix, row-major, or in column panels of `panel` columns when > 0.
+  WeightMatrix(Index rows, Index cols, WeightStorage storage, Index panel = 0)
+      : rows_(rows), cols_(cols), panel_(panel > 0 ? std::min(panel, cols) : cols),
+        storage_(storage) {
     if (storage_ == WeightStorage::Native)
-      native_.setZero(rows, cols);
+      native_.setZero(rows * cols);
     else
       bf16_.assign(static_cast<std::size_t>(rows * cols), 0);
   }
 
   Index rows() const { return rows_; }
   Index cols() const { return cols_; }
-  /// The bfloat16 bits, row-major [rows, cols] (BFloat16 storage only).
+  /// Columns per panel of the storage (cols when row-major).
+  Index panel() const { return panel_; }
+  /// The bfloat16 bits in the storage's layout (BFloat16 storage only).
   const std::uint16_t* bf16_data() const { return bf16_.data(); }
   WeightStorage storage() const { return storage_; }
   /// Bytes the weights occupy.
@@ -54,11 +62,16 @@ class WeightMatrix {
     return storage_ == WeightStorage::Native ? native_.size() * sizeof(T) : bf16_.size() * 2;
   }
 
-  /// The whole matrix in T (a copy; exact for bfloat16 storage).
+  /// The whole matrix in T, row-major (a copy; exact for bfloat16 storage).
   Matrix<T> values() const {
-    if (storage_ == WeightStorage::Native) return native_;
     Matrix<T> out(rows_, cols_);
-    widen(bf16_.data(), cols_, rows_, cols_, out.data(), cols_);
+    for (Index j0 = 0; j0 < cols_; j0 += panel_) {
+      const Index w = width(j0);
+      if (storage_ == WeightStorage::Native)
+        out.middleCols(j0, w) = Eigen::Map<const Matrix<T>>(native_.data() + rows_ * j0, rows_, w);
+      else
+        widen(bf16_.data() + rows_ * j0, w, rows_, w, out.data() + j0, cols_);
+    }
     return out;
   }
 
@@ -66,31 +79,38 @@ class WeightMatrix {
   /// caller checks shapes.
   void set_rows(Index first, const ConstRowsRef<T>& w) {
     eigen_assert(w.cols() == cols_ && first >= 0 && first + w.rows() <= rows_);
-    if (storage_ == WeightStorage::Native) {
-      native_.middleRows(first, w.rows()) = w;
-      return;
+    for (Index j0 = 0; j0 < cols_; j0 += panel_) {
+      const Index pw = width(j0), at = rows_ * j0 + first * pw;
+      if (storage_ == WeightStorage::Native) {
+        Eigen::Map<Matrix<T>>(native_.data() + at, w.rows(), pw) = w.middleCols(j0, pw);
+        continue;
+      }
+      for (Index i = 0; i < w.rows(); ++i)
+        for (Index j = 0; j < pw; ++j)
+          bf16_[static_cast<std::size_t>(at + i * pw + j)] =
+              float_to_bfloat16(static_cast<float>(w(i, j0 + j)));
     }
-    for (Index i = 0; i < w.rows(); ++i)
-      for (Index j = 0; j < cols_; ++j)
-        bf16_[static_cast<std::size_t>((first + i) * cols_ + j)] =
-            float_to_bfloat16(static_cast<float>(w(i, j)));
   }
   void set(const ConstRowsRef<T>& w) { set_rows(0, w); }
 
   /// This matrix from element (r0, c0) on as the B operand of detail::gemm(): B = W^T
   /// (B(k, n) = W(r0 + n, c0 + k)) when `transposed`, else B(k, n) = W(r0 + k, c0 + n). An
   /// untransposed operand reaches to W's last row, so that a product over one expert's rows
-  /// prefetches the next expert's.
+  /// prefetches the next expert's. With column panels the operand must be untransposed and its
+  /// columns must stay in c0's panel.
   detail::GemmB<T> operand(Index r0, Index c0, bool transposed) const {
     eigen_assert(r0 >= 0 && c0 >= 0 && r0 <= rows_ && c0 <= cols_);
+    eigen_assert(panel_ == cols_ || !transposed);
+    const Index j0 = panel_ > 0 ? std::min(c0, cols_ - 1) / panel_ * panel_ : 0;
+    const Index w = width(j0), at = rows_ * j0 + r0 * w + (c0 - j0);
     detail::GemmB<T> b;
-    b.ld = cols_;
+    b.ld = w;
     b.transposed = transposed;
     b.reach = transposed ? 0 : rows_ - r0;
     if (storage_ == WeightStorage::Native)
-      b.values = native_.data() + r0 * cols_ + c0;
+      b.values = native_.data() + at;
     else
-      b.bf16 = bf16_.data() + r0 * cols_ + c0;
+      b.bf16 = bf16_.data() + at;
     return b;
   }
 
@@ -114,10 +134,13 @@ class WeightMatrix {
     }
   }
 
-  Index rows_ = 0, cols_ = 0;
+  // Columns of the panel that starts at column j0.
+  Index width(Index j0) const { return std::min(panel_, cols_ - j0); }
+
+  Index rows_ = 0, cols_ = 0, panel_ = 0;
   WeightStorage storage_ = WeightStorage::Native;
-  Matrix<T> native_;                // [rows, cols] when Native
-  std::vector<std::uint16_t> bf16_;  // [rows, cols] row-major when BFloat16
+  Vector<T> native_;                 // rows * cols when Native, in the layout above
+  std::vector<std::uint16_t> bf16_;  // rows * cols when BFloat16, in the layout above
 };
 
 /// Y[N, count] = X[N, in] W[first : first + count, :]^T (+ bias[count]) on this thread, read
