@@ -203,20 +203,26 @@ TEST(Multiply, ReachIsAPrefetchHintOnly) {
   // several of small_product's depth blocks, M several row tiles and N two whole strips and a
   // narrow one, so that row tiles prefetch the next block, the next strip and the rows past K;
   // in a build with assertions small_product checks that no prefetch reaches row `reach`.
+  // M = 2 MR has no rows after its whole tiles, and K = 0 no depth block at all.
   using S = GemmShape<float>;
-  const Index M = 2 * S::MR + 1, N = 2 * S::NR + S::L, K = 1100, rows = K + 5;
-  const Matrix<float> A = moh_test::random_matrix<float>(M, K, 21);
-  const Matrix<float> W = moh_test::random_matrix<float>(rows, N, 22);
-  GemmB<float> near{W.data(), nullptr, N, false}, far = near;
-  far.reach = rows;
-  EXPECT_EQ(far.offset(K, 0).reach, rows - K);
-  EXPECT_EQ(far.offset(rows, 0).reach, 0);
-  Matrix<float> with(M, N), without(M, N);
-  moh::detail::multiply<float>(A.data(), K, far, with.data(), N, M, N, K, false);
-  moh::detail::multiply<float>(A.data(), K, near, without.data(), N, M, N, K, false);
-  EXPECT_TRUE(same_bits(with, without));
-  const Matrix<double> want = A.cast<double>() * W.topRows(K).cast<double>();
-  EXPECT_LE(moh_test::max_abs_diff(with, want), 1e-6 * (K + 2));
+  const Index N = 2 * S::NR + S::L;
+  for (Index M : {S::MR + 1, 2 * S::MR, 2 * S::MR + 1})
+    for (Index K : {0, 64, 1100}) {
+      SCOPED_TRACE(testing::Message() << "M=" << M << " K=" << K);
+      const Index rows = K + 5;
+      const Matrix<float> A = moh_test::random_matrix<float>(M, std::max<Index>(K, 1), 21);
+      const Matrix<float> W = moh_test::random_matrix<float>(rows, N, 22);
+      GemmB<float> near{W.data(), nullptr, N, false}, far = near;
+      far.reach = rows;
+      EXPECT_EQ(far.offset(K, 0).reach, rows - K);
+      EXPECT_EQ(far.offset(rows, 0).reach, 0);
+      Matrix<float> with(M, N), without(M, N);
+      moh::detail::multiply<float>(A.data(), A.cols(), far, with.data(), N, M, N, K, false);
+      moh::detail::multiply<float>(A.data(), A.cols(), near, without.data(), N, M, N, K, false);
+      EXPECT_TRUE(same_bits(with, without));
+      const Matrix<double> want = A.leftCols(K).cast<double>() * W.topRows(K).cast<double>();
+      EXPECT_LE(moh_test::max_abs_diff(with, want), 1e-6 * (K + 2));
+    }
 }
 
 TEST(RowsProduct, MatchesNaiveFromFloatAndBFloat16AndAccumulates) {

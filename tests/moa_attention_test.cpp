@@ -124,25 +124,30 @@ TYPED_TEST(MoATest, MatchesReferenceOverOddSizesInBothModes) {
       }
 }
 
-// D = 300: the output experts are stored in column panels of 128, 128 and 44. With 40 tokens
-// the routed output stage runs in column tiles, with 400 in row tiles across the panels; the
-// dense path multiplies panel by panel. All against the reference, which reads the weights back.
+// D = 320: the output experts are stored in column panels of 128, 128 and 64, in T and in
+// bfloat16. With 12 and 40 tokens the routed output stage runs in column tiles (unpacked products
+// for the few rows of an expert), with 400 in row tiles across the panels; the dense path
+// multiplies panel by panel. All against the reference, which reads the weights back.
 TYPED_TEST(MoATest, MatchesReferenceWithOutputWeightsInPanels) {
   using T = TypeParam;
-  const Index D = 300, d = 8;
-  const MoAAttention<T> m(config(D, d, 3, 2), 800);
-  const moh::Matrix<T> out = m.output_experts();
-  MoAAttention<T> copy(config(D, d, 3, 2), 801);
-  copy.set_output_experts(out);
-  EXPECT_EQ(copy.output_experts(), out);
-  for (Index Tn : {40, 400}) {
-    const Tensor3<T> x = moh_ref::random_tensor<T>(2, Tn, D, 802 + Tn);
-    const Mat want = reference(m, x, {});
-    for (ComputeMode mode : kModes) {
-      ForwardOptions o;
-      o.mode = mode;
-      EXPECT_LE(relative_error(run(m, x, o), want), moh_ref::Tol<T>::rel)
-          << "T=" << Tn << " " << name(mode);
+  const Index D = 320, d = 8;
+  for (moh::WeightStorage storage : {moh::WeightStorage::Native, moh::WeightStorage::BFloat16}) {
+    MoAConfig c = config(D, d, 3, 2);
+    c.weight_storage = storage;
+    const MoAAttention<T> m(c, 800);
+    const moh::Matrix<T> out = m.output_experts();
+    MoAAttention<T> copy(c, 801);
+    copy.set_output_experts(out);
+    EXPECT_EQ(copy.output_experts(), out);
+    for (Index Tn : {12, 40, 400}) {
+      const Tensor3<T> x = moh_ref::random_tensor<T>(2, Tn, D, 802 + Tn);
+      const Mat want = reference(m, x, {});
+      for (ComputeMode mode : kModes) {
+        ForwardOptions o;
+        o.mode = mode;
+        EXPECT_LE(relative_error(run(m, x, o), want), moh_ref::Tol<T>::rel)
+            << "T=" << Tn << " " << name(mode) << " " << moh::weight_storage_name(storage);
+      }
     }
   }
 }

@@ -131,6 +131,7 @@ TEST(WeightMatrix, ColumnPanelsHoldTheSameMatrix) {
     panels.set_rows(20, part);
     EXPECT_EQ(panels.values(), plain.values());
     EXPECT_EQ(panels.bytes(), plain.bytes());
+    EXPECT_THROW(panels.operand(0, 0, true), moh::Error);  // W^T would cross panels
     for (Index c0 = 0; c0 < cols; c0 += panel)
       for (Index r0 : {Index(0), Index(10), Index(30)}) {
         const Index n = std::min(panel, cols - c0);

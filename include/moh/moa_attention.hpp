@@ -79,7 +79,7 @@ class MoAAttention {
   // Weights (MoA fairseq names). Setters check shapes and throw moh::Error.
   /// q_proj.experts.w [E, D, d], stored as [E*D, d] (expert e = rows e*D ..).
   Matrix<T> query_experts() const { return q_experts_.values(); }
-  /// q_proj.output_experts.w [E, d, D], stored as [E*d, D].
+  /// q_proj.output_experts.w [E, d, D], as [E*d, D] (stored in column panels, see out_experts_).
   Matrix<T> output_experts() const { return out_experts_.values(); }
   /// q_proj.w_gate [D, E].
   const Matrix<T>& gate_weight() const { return gate_; }
@@ -196,8 +196,8 @@ class MoAAttention {
     auto project_routed_out = [&](Index e, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0,
                                   bool accumulate) { project_out(e * d, O, P, c0, d, accumulate); };
     Y.setZero();
-    detail::attend_routed<T>(plan, X, kv, d, opts.causal, true, project_routed_q, project_routed_out,
-                             [](Index) { return Index(0); }, Y, opts.pool);
+    detail::attend_routed<T>(plan, X, kv, d, opts.causal, true, project_routed_q,
+                             project_routed_out, [](Index) { return Index(0); }, Y, opts.pool);
   }
 
   /// Q[n, d] = X[n, D] Wq_e (expert e's query projection, stored [D, d]).
@@ -208,13 +208,12 @@ class MoAAttention {
   }
 
   /// P[n, m] (+)= O[n, depth] W_o[r0 : r0 + depth, c0 : c0 + m] (expert outputs stacked in
-  /// rows), one column panel of the weights at a time; c0 starts a panel.
+  /// rows), one column panel of the weights at a time.
   void project_out(Index r0, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0, Index depth,
                    bool accumulate) const {
     const Index panel = out_experts_.panel();
-    eigen_assert(c0 % panel == 0);
-    for (Index c = 0; c < P.cols(); c += panel) {
-      const Index w = std::min(panel, P.cols() - c);
+    for (Index c = 0, w = 0; c < P.cols(); c += w) {
+      w = std::min(P.cols() - c, panel - (c0 + c) % panel);  // to the end of the panel
       detail::multiply<T>(O.data(), O.outerStride(), out_experts_.operand(r0, c0 + c, false),
                           P.data() + c, P.outerStride(), O.rows(), w, depth, accumulate);
     }
@@ -249,7 +248,7 @@ class MoAAttention {
 
   MoAConfig config_;
   WeightMatrix<T> q_experts_;    // [E*D, d]
-  WeightMatrix<T> out_experts_;  // [E*d, D]
+  WeightMatrix<T> out_experts_;  // [E*d, D] in column panels of detail::kRoutedColumnTile
   Matrix<T> gate_;               // [D, E], always in T (the router)
   WeightMatrix<T> kv_;           // [2d, D]: k_proj rows, then v_proj rows
 };

@@ -100,7 +100,9 @@ class WeightMatrix {
   /// columns must stay in c0's panel.
   detail::GemmB<T> operand(Index r0, Index c0, bool transposed) const {
     eigen_assert(r0 >= 0 && c0 >= 0 && r0 <= rows_ && c0 <= cols_);
-    eigen_assert(panel_ == cols_ || !transposed);
+    detail::require(panel_ == cols_ || !transposed,
+                    "WeightMatrix: a matrix stored in column panels has no transposed operand: "
+                    "expected panel width ", cols_, ", got ", panel_);
     const Index j0 = panel_ > 0 ? std::min(c0, cols_ - 1) / panel_ * panel_ : 0;
     const Index w = width(j0), at = rows_ * j0 + r0 * w + (c0 - j0);
     detail::GemmB<T> b;

@@ -123,16 +123,18 @@ inline T load_scalar(const std::uint16_t* p) {
 /// packets], with A(r, k) = A[r * a_row + k * a_k] broadcast, B row k at B + k * b_k (T, or
 /// bfloat16 widened in registers) and C rows at ldc. Each element is one chain of multiply-adds
 /// over k in order, from C (accumulate) or zero. kPrefetch: while row k is used, ask for row k
-/// of `pf` (rows at B's stride, NP packets wide) for k < pf_rows: the caller points it at the
+/// of `pf` (rows at B's stride, NP packets wide) for k < min(depth, pf_rows): the caller points
+/// it at the
 /// weights it reads next (unpacked weights of a routed expert come from L3 or memory in rows up
 /// to a page apart, which the hardware prefetcher does not follow).
 /// Always inlined, with product_tile and product_rest: GCC's own choice varies with small
 /// changes to the callers, and an out-of-line copy of the prefetching kernel measured 5-25 %
 /// slower in MoA at ViT shape (in-process A/B).
 template <class T, int MR, int NP, class Src, bool kPrefetch = false>
-EIGEN_ALWAYS_INLINE void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index b_k, Index depth,
-                        T* C, Index ldc, bool accumulate, [[maybe_unused]] const Src* pf = nullptr,
-                        [[maybe_unused]] Index pf_rows = 0) {
+EIGEN_ALWAYS_INLINE void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index b_k,
+                                     Index depth, T* C, Index ldc, bool accumulate,
+                                     [[maybe_unused]] const Src* pf = nullptr,
+                                     [[maybe_unused]] Index pf_rows = 0) {
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   P acc[MR][NP];
@@ -173,16 +175,18 @@ struct TilePrefetch {
 
 /// Unpacked operands: A rows at stride lda, B rows at ldb.
 template <class T, int MR, int NP, bool kPrefetch, class Src>
-EIGEN_ALWAYS_INLINE void product_tile(const T* A, Index lda, const Src* B, Index ldb, Index depth, T* C,
-                         Index ldc, bool accumulate, TilePrefetch<Src> pf) {
+EIGEN_ALWAYS_INLINE void product_tile(const T* A, Index lda, const Src* B, Index ldb,
+                                      Index depth, T* C, Index ldc, bool accumulate,
+                                      TilePrefetch<Src> pf) {
   tile_kernel<T, MR, NP, Src, kPrefetch>(A, lda, 1, B, ldb, depth, C, ldc, accumulate, pf.at,
                                          pf.rows);
 }
 
 /// product_tile for the last `rows` (< N) rows, in one pass over B.
 template <class T, int N, int NP, bool kPrefetch, class Src>
-EIGEN_ALWAYS_INLINE void product_rest(Index rows, const T* A, Index lda, const Src* B, Index ldb, Index depth,
-                         T* C, Index ldc, bool accumulate, TilePrefetch<Src> pf) {
+EIGEN_ALWAYS_INLINE void product_rest(Index rows, const T* A, Index lda, const Src* B,
+                                      Index ldb, Index depth, T* C, Index ldc, bool accumulate,
+                                      TilePrefetch<Src> pf) {
   if constexpr (N > 1) {
     if (rows == N - 1)
       product_tile<T, N - 1, NP, kPrefetch>(A, lda, B, ldb, depth, C, ldc, accumulate, pf);
@@ -199,10 +203,11 @@ constexpr Index kPrefetchRows = 16;
 /// The depth is split into blocks whose slice of B fits L1, so that each row tile rereads B from
 /// L1 rather than from L2 or L3; C carries the chain between blocks, so the bits do not change.
 /// kPrefetch: B comes from outside the caches (a routed expert's weights; see tile_kernel). The
-/// first row tile of each block prefetches kPrefetchRows ahead within the block; the other row
-/// tiles share out the block read next (the next depth block, else the next strip's first, else
-/// the rows past `depth`: the next expert's, as far as row `reach` (>= depth) of B), so that
-/// memory is busy while the block in L1 is multiplied, not only while it is first read.
+/// first row tile of each block prefetches kPrefetchRows ahead within the block (16 rows past it
+/// when it is the only tile); the other row tiles share out the block read next among the
+/// NP-packet strips (the next depth block, else the next strip's first, else the rows past
+/// `depth`: the next expert's, as far as row `reach` (>= depth) of B), so that memory is busy
+/// while the block in L1 is multiplied, not only while it is first read.
 template <class T, int MR, int NP, bool kPrefetch, class Src>
 void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, Index cols,
                    Index depth, T* C, Index ldc, bool accumulate, Index reach = 0) {
@@ -221,11 +226,11 @@ void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, I
       const bool acc = accumulate || k0 > 0;
       const T* a = A + k0;
       const Src* b = B + k0 * ldb + c;
-      // The block read after this one, in the order strips (of whole panels) outer, depth blocks
-      // inner, continued past `depth` by the next expert of the same shape.
+      // The block read after this one, in the order NP-packet strips outer, depth blocks inner,
+      // continued past `depth` by the next expert of the same shape (narrow strips left out).
       TilePrefetch<Src> next;
       if constexpr (kPrefetch) {
-        if (np == NP && tiles > 1) {
+        if (np == NP && tiles > 1 && depth > 0) {
           const Index at = (c / (NP * L)) * blocks + k0 / block + 1;
           const Index strip_of = (at / blocks) % strips;
           const Index k_of = (at / blocks / strips) * depth + (at % blocks) * block;
@@ -240,8 +245,9 @@ void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, I
             const Index end = tiles > 1 ? std::min(kb, reach - k0)
                                         : std::min(kb + kPrefetchRows, reach - k0);
             if (end > kPrefetchRows) pf = {b + kPrefetchRows * ldb, end - kPrefetchRows};
-          } else if (next.rows > 0) {
-            const Index lo = next.rows * (tile - 1) / (tiles - 1), hi = next.rows * tile / (tiles - 1);
+          } else if (tile < tiles && next.rows > 0) {  // tile == tiles: no rows left
+            const Index lo = next.rows * (tile - 1) / (tiles - 1);
+            const Index hi = next.rows * tile / (tiles - 1);
             pf = {next.at + lo * ldb, hi - lo};
           }
           eigen_assert(pf.rows <= 0 || (pf.at - B) / ldb + pf.rows <= reach);
