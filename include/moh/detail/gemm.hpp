@@ -124,9 +124,8 @@ inline T load_scalar(const std::uint16_t* p) {
 /// bfloat16 widened in registers) and C rows at ldc. Each element is one chain of multiply-adds
 /// over k in order, from C (accumulate) or zero. kPrefetch: while row k is used, ask for row k
 /// of `pf` (rows at B's stride, NP packets wide) for k < min(depth, pf_rows): the caller points
-/// it at the
-/// weights it reads next (unpacked weights of a routed expert come from L3 or memory in rows up
-/// to a page apart, which the hardware prefetcher does not follow).
+/// it at the weights it reads next (unpacked weights of a routed expert come from L3 or memory,
+/// which the hardware prefetcher does not follow across an expert's scattered rows).
 /// Always inlined, with product_tile and product_rest: GCC's own choice varies with small
 /// changes to the callers, and an out-of-line copy of the prefetching kernel measured 5-25 %
 /// slower in MoA at ViT shape (in-process A/B).
