@@ -201,7 +201,9 @@ struct HeadPlan {
 };
 
 constexpr Index kRoutedRowTile = 128;    // rows per projection task of the routed path
-constexpr Index kRoutedColumnTile = 128; // output columns per task when heads have few rows
+// Output columns per task when heads have few rows. MoAAttention also stores its output experts
+// in column panels of this width (see its constructor), so that each task reads contiguous runs.
+constexpr Index kRoutedColumnTile = 128;
 // Heads with fewer rows than this on average project their outputs in column tiles. Measured
 // (1 thread, interleaved): at (8, 256, 512) MoA E = 32 (128 rows per expert) column tiles took
 // 0.91x the time of row tiles; MoH at ViT 50-100 % (98-197 rows per head) was 0.97-1.01x.
