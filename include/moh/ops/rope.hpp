@@ -7,7 +7,6 @@
 #pragma once
 
 #include <cmath>
-#include <vector>
 
 #include "moh/tensor.hpp"
 
@@ -36,40 +35,34 @@ void rope_rotate(T* x, Index d, const T* cos, const T* sin) {
   }
 }
 
-/// Rotates `heads` head vectors of size d, `head_stride` apart, all at position `position`.
-/// `angles` is scratch of at least d values.
-template <class T>
-void rope_apply(T* x, Index heads, Index head_stride, Index d, Index position, double base,
-                T* angles) {
-  rope_angles(position, d, base, angles, angles + d / 2);
-  for (Index h = 0; h < heads; ++h) rope_rotate(x + h * head_stride, d, angles, angles + d / 2);
-}
-
 }  // namespace moh
 
 namespace moh {
 
 /// cos/sin of a run of consecutive positions [first, first + count), computed once per call and
-/// shared by every head and thread.
+/// shared by every head and thread. The table lives in storage the caller provides
+/// (storage_size(count, d) values; a layer takes it from its workspace).
 template <class T>
 class RopeTable {
  public:
   RopeTable() = default;
-  RopeTable(Index first, Index count, Index d, double base)
-      : first_(first), d_(d), table_(static_cast<std::size_t>(count * d)) {
+  RopeTable(Index first, Index count, Index d, double base, T* storage)
+      : d_(d), table_(storage) {
     for (Index i = 0; i < count; ++i)
-      rope_angles(first + i, d, base, table_.data() + i * d, table_.data() + i * d + d / 2);
+      rope_angles(first + i, d, base, table_ + i * d, table_ + i * d + d / 2);
   }
+  static Index storage_size(Index count, Index d) { return count * d; }
   /// Rotates head vector x[0, d) as at position first + i.
   void rotate(T* x, Index i) const {
-    const T* row = table_.data() + i * d_;
+    const T* row = table_ + i * d_;
     rope_rotate(x, d_, row, row + d_ / 2);
   }
-  Index first() const { return first_; }
+  /// False for a default-constructed table (a layer without RoPE).
+  explicit operator bool() const { return table_ != nullptr; }
 
  private:
-  Index first_ = 0, d_ = 0;
-  std::vector<T> table_;  // [count, d]: cos for j < d/2, then sin
+  Index d_ = 0;
+  T* table_ = nullptr;  // [count, d]: cos for j < d/2, then sin
 };
 
 }  // namespace moh

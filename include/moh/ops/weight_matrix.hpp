@@ -5,7 +5,7 @@
 // projections stream every weight once per step and that traffic is the cost. Compute stays in
 // T: the GEMM widens bfloat16 weights while it packs them, and the unpacked products (a decode
 // step, a few tokens routed to one expert) widen them in registers as they read them
-// (detail/gemm.hpp). None of this depends on the thread count.
+// (ops/gemm.hpp). None of this depends on the thread count.
 #pragma once
 
 #include <algorithm>
@@ -13,9 +13,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "moh/detail/gemm.hpp"
 #include "moh/float16.hpp"
-#include "moh/linear.hpp"
+#include "moh/ops/gemm.hpp"
+#include "moh/ops/linear.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
@@ -26,10 +26,10 @@ enum class WeightStorage {
   BFloat16,  // rounded to bfloat16 (8-bit mantissa): half the memory of float
 };
 
-/// "native" or "bfloat16".
-inline const char* weight_storage_name(WeightStorage s) {
-  return s == WeightStorage::BFloat16 ? "bfloat16" : "native";
-}
+template <>
+struct EnumNames<WeightStorage> {
+  static constexpr const char* names[] = {"native", "bfloat16"};
+};
 
 /// A weight matrix W[rows, cols]. By default it is stored row-major. With a `panel` width it is
 /// stored in column panels: columns [j0, j0 + w) (w = panel, less for the last) are one
@@ -145,32 +145,36 @@ class WeightMatrix {
   std::vector<std::uint16_t> bf16_;  // rows * cols when BFloat16, in the layout above
 };
 
-/// Y[N, count] = X[N, in] W[first : first + count, :]^T (+ bias[count]) on this thread, read
-/// straight from W's storage (bfloat16 is widened as it is packed or loaded).
+namespace detail {
+
+/// Y[N, count] = X[N, in] W[first : first + count, :]^T (+ bias[count]) over linear()'s fixed
+/// tiles of Y on exec's threads, read straight from W's storage (bfloat16 is widened as it is
+/// packed or loaded). Shapes are the caller's to check.
 template <class T>
-void linear(const ConstRowsRef<T>& X, const WeightMatrix<T>& W, Index first, Index count,
-            const T* bias, RowsRef<T> Y) {
-  eigen_assert(X.cols() == W.cols() && Y.rows() == X.rows() && Y.cols() == count);
-  detail::multiply<T>(X.data(), X.outerStride(), W.operand(first, 0, true), Y.data(),
-                      Y.outerStride(), X.rows(), count, X.cols(), false);
-  if (bias != nullptr) Y.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, count);
+void project(const ConstRowsRef<T>& X, const WeightMatrix<T>& W, Index first, const T* bias,
+             RowsRef<T> Y, const Exec& exec) {
+  eigen_assert(X.cols() == W.cols() && Y.rows() == X.rows() && first + Y.cols() <= W.rows());
+  project_tiles<T>(X, [&](Index c0) { return W.operand(first + c0, 0, true); }, bias, Y, exec);
 }
 
-/// The same split over linear()'s fixed tiles of Y and run on `pool`.
+}  // namespace detail
+
+/// Y[N, out] = X[N, in] W^T for weights stored in T or bfloat16 (see linear() for Matrix W).
 template <class T>
-void linear(const ConstRowsRef<T>& X, const WeightMatrix<T>& W, Index first, Index count,
-            const T* bias, RowsRef<T> Y, ThreadPool* pool) {
-  detail::for_each_linear_tile(X.rows(), count, pool, [&](Index r0, Index nr, Index c0, Index nc) {
-    linear<T>(X.middleRows(r0, nr), W, first + c0, nc, bias ? bias + c0 : nullptr,
-              Y.block(r0, c0, nr, nc));
-  });
+void linear(const ConstRowsRef<T>& X, const WeightMatrix<T>& W, RowsRef<T> Y,
+            ThreadPool* pool = nullptr, Workspace* workspace = nullptr) {
+  detail::check_linear(X.rows(), X.cols(), W.rows(), W.cols(), -1, Y.rows(), Y.cols());
+  const detail::WorkspaceLease lease(workspace, pool, "linear");
+  detail::project<T>(X, W, 0, nullptr, Y, lease.exec());
 }
 
-/// Y[N, out] = X[N, in] W^T (+ bias) on `pool`.
+/// Y[N, out] = X[N, in] W^T + bias[out] for weights stored in T or bfloat16.
 template <class T>
-void linear(const ConstRowsRef<T>& X, const WeightMatrix<T>& W, const T* bias, RowsRef<T> Y,
-            ThreadPool* pool) {
-  linear<T>(X, W, 0, W.rows(), bias, Y, pool);
+void linear(const ConstRowsRef<T>& X, const WeightMatrix<T>& W, const Vector<T>& bias,
+            RowsRef<T> Y, ThreadPool* pool = nullptr, Workspace* workspace = nullptr) {
+  detail::check_linear(X.rows(), X.cols(), W.rows(), W.cols(), bias.size(), Y.rows(), Y.cols());
+  const detail::WorkspaceLease lease(workspace, pool, "linear");
+  detail::project<T>(X, W, 0, bias.data(), Y, lease.exec());
 }
 
 }  // namespace moh

@@ -2,8 +2,9 @@
 //
 // Tiled over query and key blocks with an online softmax (running row max and row sum), so the
 // scores of a whole head are never held: the extra memory is one [query block x key block] tile
-// plus a [query block x d] accumulator, carried by AttentionScratch. Each query block is computed
-// the same way whatever else runs, so results do not depend on how blocks are spread over threads.
+// plus a [query block x d] accumulator, taken from the caller's workspace. Each query block is
+// computed the same way whatever else runs, so results do not depend on how blocks are spread
+// over threads.
 //
 // Masks: key j is hidden from a query at position p when it is padding or, if causal, when
 // j > p + causal_shift (bottom-right alignment: causal_shift = S - T, the keys that precede the
@@ -14,7 +15,8 @@
 #include <cmath>
 #include <limits>
 
-#include "moh/linear.hpp"
+#include "moh/ops/gemm.hpp"
+#include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
@@ -33,36 +35,65 @@ struct QueryPositions {
   Index operator[](Index i) const { return list ? list[i] : first + i; }
 };
 
+/// The queries of one head: [count, head_dim] at row stride `stride`; scores are
+/// scale * q . k (1 / sqrt(head_dim) for scaled dot-product attention). Not owned.
+template <class T>
+struct AttentionQueries {
+  const T* data = nullptr;
+  Index stride = 0;
+  Index count = 0;
+  Index head_dim = 0;
+  T scale = T(1);
+  QueryPositions positions;  // for the causal mask
+};
+
+/// The keys and values of one head: [count, head_dim] each, at their row strides. Not owned.
+template <class T>
+struct AttentionKeysValues {
+  const T* keys = nullptr;
+  Index key_stride = 0;
+  const T* values = nullptr;
+  Index value_stride = 0;
+  Index count = 0;  // S
+};
+
+/// Where attention() writes: [queries, head_dim] at row stride `stride` (may not alias the queries).
+template <class T>
+struct AttentionOutput {
+  T* data = nullptr;
+  Index stride = 0;
+};
+
 /// Block sizes of the tiled kernel.
 constexpr Index kQueryBlock = 64;
 constexpr Index kKeyBlock = 256;
 
-/// Scratch for attention(): sized once, reused for every block (no allocation in the loop).
+namespace detail {
+
+/// The kernel's tiles for one head of size d, carved from an arena once per call and reused by
+/// every block (no allocation in the loop).
 template <class T>
-struct AttentionScratch {
-  Matrix<T> scores;  // [kQueryBlock, kKeyBlock]
-  Matrix<T> acc;     // [kQueryBlock, d]
+struct AttentionTiles {
+  MatrixMap<T> scores;   // [kQueryBlock, kKeyBlock]
+  MatrixMap<T> acc;      // [kQueryBlock, d]
   // Fast path: contiguous copies, so that strided rows (heads interleaved in a projection) do
   // not alias in the caches: scale * K^T of the key block, its values, and the query block.
-  Matrix<T> keys_t;   // [d, kKeyBlock + 16]
-  Matrix<T> values;   // [kKeyBlock, d]
-  Matrix<T> queries;  // [kQueryBlock, d]
-  Vector<T> row_max, row_sum;
+  MatrixMap<T> keys_t;   // [d, kKeyBlock + 16] (padded so its rows do not alias in the caches)
+  MatrixMap<T> values;   // [kKeyBlock, d]
+  MatrixMap<T> queries;  // [kQueryBlock, d]
+  Eigen::Map<Vector<T>> row_max, row_sum;
 
-  void reserve(Index d) {
-    if (scores.rows() != kQueryBlock) scores.resize(kQueryBlock, kKeyBlock);
-    if (acc.cols() != d) {
-      acc.resize(kQueryBlock, d);
-      keys_t.resize(d, kKeyBlock + 16);  // padded so its rows do not alias in the caches
-      values.resize(kKeyBlock, d);
-      queries.resize(kQueryBlock, d);
-    }
-    if (row_max.size() != kQueryBlock) {
-      row_max.resize(kQueryBlock);
-      row_sum.resize(kQueryBlock);
-    }
-  }
+  AttentionTiles(Arena& a, Index d)
+      : scores(a.matrix<T>(kQueryBlock, kKeyBlock)),
+        acc(a.matrix<T>(kQueryBlock, d)),
+        keys_t(a.matrix<T>(d, kKeyBlock + 16)),
+        values(a.matrix<T>(kKeyBlock, d)),
+        queries(a.matrix<T>(kQueryBlock, d)),
+        row_max(a.allocate<T>(kQueryBlock), kQueryBlock),
+        row_sum(a.allocate<T>(kQueryBlock), kQueryBlock) {}
 };
+
+}  // namespace detail
 
 // Packet types are SIMD vector types with alignment attributes; naming them as template
 // arguments makes GCC warn that those attributes are ignored, which is harmless here (the same
@@ -109,44 +140,56 @@ constexpr bool tiled_head(Index d) {
 #pragma GCC diagnostic pop
 #endif
 
+namespace detail {
+
 /// One head's keys and values laid out for the register-tiled path, prepared once and shared by
 /// every query block that attends to them: scale * K^T [d, S rounded up to whole packets, zero
-/// padded] and V [S, d], both contiguous. pack() allocates only when it needs more room.
+/// padded] and V [S, d], both contiguous, in arena memory.
 template <class T>
 struct PackedKeys {
-  Matrix<T> keys_t;  // [d, padded S (+16, so that rows do not alias in the caches)]
-  Matrix<T> values;  // [S, d]
+  const T* keys_t = nullptr;  // [d, stride]
+  Index keys_t_stride = 0;    // padded S + 16, so that rows do not alias in the caches
+  const T* values = nullptr;  // [S, d]
   Index keys = 0;
 
-  void pack(const T* k, Index k_stride, const T* v, Index v_stride, Index S, Index d, T scale) {
-    const Index L = detail::packet_size<T>();
+  /// Lays out S keys and values (rows at their strides) of size d, scaled by `scale`.
+  static PackedKeys pack(Arena& arena, const T* k, Index k_stride, const T* v, Index v_stride,
+                         Index S, Index d, T scale) {
+    const Index L = packet_size<T>();
     const Index padded = (S + L - 1) / L * L;
-    if (keys_t.rows() != d || keys_t.cols() < padded + 16) keys_t.resize(d, padded + 16);
-    if (values.cols() != d || values.rows() < S) values.resize(std::max<Index>(S, 1), d);
-    auto vc = values.topRows(S);
+    MatrixMap<T> kt = arena.matrix<T>(d, padded + 16);
+    MatrixMap<T> vc = arena.matrix<T>(S, d);
     vc = ConstStridedMap<T>(k, S, d, Eigen::OuterStride<>(k_stride));  // contiguous, then transposed
-    keys_t.leftCols(S) = vc.transpose() * scale;
-    keys_t.middleCols(S, padded - S).setZero();
+    kt.leftCols(S) = vc.transpose() * scale;
+    kt.middleCols(S, padded - S).setZero();
     vc = ConstStridedMap<T>(v, S, d, Eigen::OuterStride<>(v_stride));
-    keys = S;
+    return PackedKeys{kt.data(), kt.outerStride(), vc.data(), S};
   }
 };
 
-/// Attends n_q queries to S keys of one head of size d.
-/// q: [n_q, d] at row stride q_stride; k, v: [S, d] at their strides; out: [n_q, d] at
-/// out_stride (may not alias q). Positions order the queries for the causal mask. Not owned.
+/// attention() with its tiles from `arena`, and optionally the keys and values laid out once
+/// for many query blocks (`packed`, from PackedKeys::pack with the same scale).
 template <class T>
-void attention(const T* q, Index q_stride, Index n_q, QueryPositions positions, const T* k,
-               Index k_stride, const T* v, Index v_stride, Index S, Index d,
-               const AttentionMasking& mask, T scale, T* out, Index out_stride,
-               AttentionScratch<T>& scratch, const PackedKeys<T>* packed = nullptr) {
+void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv,
+            const AttentionMasking& mask, const AttentionOutput<T>& output, Arena& arena,
+            const PackedKeys<T>* packed = nullptr) {
+  const T* q = queries.data;
+  const Index q_stride = queries.stride, n_q = queries.count, d = queries.head_dim;
+  const T scale = queries.scale;
+  const QueryPositions& positions = queries.positions;
+  const T* k = kv.keys;
+  const T* v = kv.values;
+  const Index k_stride = kv.key_stride, v_stride = kv.value_stride, S = kv.count;
+  T* out = output.data;
+  const Index out_stride = output.stride;
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   constexpr Index L = detail::packet_size<T>();
   // Register-tiled products for whole-packet head sizes and enough queries to pay for laying
   // out the keys; otherwise (odd d, a decode step's few queries) Eigen's GEMM/GEMV.
-  const bool fast = detail::tiled_head<T>(d) && (packed != nullptr || n_q >= 8);
+  const bool fast = tiled_head<T>(d) && (packed != nullptr || n_q >= 8);
   eigen_assert(packed == nullptr || packed->keys == S);
-  scratch.reserve(d);
+  Arena::Scope scope(arena);
+  AttentionTiles<T> scratch(arena, d);
   for (Index i0 = 0; i0 < n_q; i0 += kQueryBlock) {
     const Index nq = std::min(kQueryBlock, n_q - i0);
     ConstStridedMap<T> Q(q + i0 * q_stride, nq, d, Eigen::OuterStride<>(q_stride));
@@ -185,9 +228,9 @@ void attention(const T* q, Index q_stride, Index n_q, QueryPositions positions, 
         const T* kt = nullptr;
         Index kt_stride = 0;
         if (packed != nullptr) {  // prepared once for all query blocks (already scaled)
-          kt = packed->keys_t.data() + j0;
-          kt_stride = packed->keys_t.outerStride();
-          v_block = packed->values.data() + j0 * d;
+          kt = packed->keys_t + j0;
+          kt_stride = packed->keys_t_stride;
+          v_block = packed->values + j0 * d;
         } else {
           auto block = scratch.keys_t.leftCols(padded);
           scratch.values.topRows(nk) = K;  // contiguous first, then transposed
@@ -197,7 +240,7 @@ void attention(const T* q, Index q_stride, Index n_q, QueryPositions positions, 
           kt = block.data();
           kt_stride = block.outerStride();
         }
-        detail::attention_product<T>(scratch.queries.data(), d, kt, kt_stride, nq, padded, d,
+        attention_product<T>(scratch.queries.data(), d, kt, kt_stride, nq, padded, d,
                                  scratch.scores.data(), scratch.scores.outerStride(), false);
       } else {
         s.noalias() = (Q * K.transpose()) * scale;
@@ -235,7 +278,7 @@ void attention(const T* q, Index q_stride, Index n_q, QueryPositions positions, 
         m[r] = m_new;
       }
       if (fast) {
-        detail::attention_product<T>(s.data(), s.outerStride(), v_block, d, nq, d, nk, acc.data(),
+        attention_product<T>(s.data(), s.outerStride(), v_block, d, nq, d, nk, acc.data(),
                                  acc.outerStride(), true);
       } else {
         acc.noalias() += s * V;
@@ -250,6 +293,31 @@ void attention(const T* q, Index q_stride, Index n_q, QueryPositions positions, 
       }
     }
   }
+}
+
+}  // namespace detail
+
+/// Attends the queries to the keys/values of one head: out = softmax(scale q k^T + mask) v. Tiles
+/// come from `workspace` (null: a temporary one). Sizes are checked (moh::Error).
+template <class T>
+void attention(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv,
+               const AttentionMasking& mask, const AttentionOutput<T>& output,
+               Workspace* workspace = nullptr) {
+  detail::require(queries.count >= 0 && queries.head_dim > 0 && kv.count >= 0,
+                  "attention: sizes: expected queries >= 0, head_dim > 0, keys >= 0, got ",
+                  queries.count, ", ", queries.head_dim, ", ", kv.count);
+  detail::require(queries.count == 0 || (queries.data && output.data), "attention: expected ",
+                  "query and output data for ", queries.count, " queries, got a null pointer");
+  detail::require(kv.count == 0 || (kv.keys && kv.values), "attention: expected key and value ",
+                  "data for ", kv.count, " keys, got a null pointer");
+  detail::require(queries.stride >= queries.head_dim && output.stride >= queries.head_dim &&
+                      (kv.count == 0 || (kv.key_stride >= queries.head_dim &&
+                                         kv.value_stride >= queries.head_dim)),
+                  "attention: row strides must hold a head: expected >= ", queries.head_dim,
+                  ", got queries ", queries.stride, ", keys ", kv.key_stride, ", values ",
+                  kv.value_stride, ", output ", output.stride);
+  const detail::WorkspaceLease lease(workspace, nullptr, "attention");
+  detail::attend<T>(queries, kv, mask, output, lease.get().call());
 }
 
 }  // namespace moh

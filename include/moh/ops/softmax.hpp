@@ -55,21 +55,4 @@ void softmax(T* x, Index n) {
   softmax_lse(x, n);
 }
 
-/// Row-wise softmax of a row-major matrix, in place.
-template <class T>
-void softmax_rows(Eigen::Ref<Matrix<T>, 0, Eigen::OuterStride<>> m) {
-  for (Index r = 0; r < m.rows(); ++r) softmax(m.row(r).data(), m.cols());
-}
-
-/// log(sum_i exp(x_i)) over x[0, n); -inf for an empty or all -inf row.
-template <class T>
-T log_sum_exp(const T* x, Index n) {
-  T max = -std::numeric_limits<T>::infinity();
-  for (Index i = 0; i < n; ++i) max = std::max(max, x[i]);
-  if (max == -std::numeric_limits<T>::infinity()) return max;
-  T sum = 0;
-  for (Index i = 0; i < n; ++i) sum += std::exp(x[i] - max);
-  return max + std::log(sum);
-}
-
 }  // namespace moh

@@ -10,14 +10,15 @@
 //
 // One pool may be shared by several layers and by several threads calling forward at once:
 // calls are serialised on the pool. A task that calls back into the pool runs its inner work on
-// its own thread, so nesting never deadlocks.
+// its own thread, under its own thread index, so nesting never deadlocks and never hands one
+// index to two threads at once. Running a parallel region allocates nothing.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
-#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -25,6 +26,25 @@
 #include "moh/error.hpp"
 
 namespace moh {
+namespace detail {
+
+/// A non-owning reference to a callable void(std::int64_t task, int thread): what
+/// ThreadPool::run() takes, so that starting a parallel region never allocates (a std::function
+/// holding a lambda with more than two captures would).
+class TaskRef {
+ public:
+  template <class F>
+  TaskRef(F& f)  // NOLINT: implicit, like a reference
+      : object_(static_cast<void*>(&f)),
+        call_([](void* o, std::int64_t task, int thread) { (*static_cast<F*>(o))(task, thread); }) {}
+  void operator()(std::int64_t task, int thread) const { call_(object_, task, thread); }
+
+ private:
+  void* object_;
+  void (*call_)(void*, std::int64_t, int);
+};
+
+}  // namespace detail
 
 class ThreadPool {
  public:
@@ -48,12 +68,22 @@ class ThreadPool {
   /// Number of threads that run tasks, the caller included.
   int size() const { return size_; }
 
+  /// The index of the pool thread running on this OS thread while it runs a task of some pool
+  /// (0 for the thread that called run()), or -1 outside any task.
+  static int current_index() { return current_thread(); }
+
   /// Runs fn(task, thread) for every task in [0, n) and returns when all are done. `thread` is in
-  /// [0, size()) and no two tasks run at once with the same `thread`, so it can index per-thread
-  /// scratch. The first exception a task throws is rethrown here.
-  void run(std::int64_t n, const std::function<void(std::int64_t, int)>& fn) {
+  /// [0, size()) (for a run started inside a task, that task's own index) and no two tasks run
+  /// at once with the same `thread`, so it can index per-thread scratch. The first exception a
+  /// task throws is rethrown here.
+  void run(std::int64_t n, detail::TaskRef fn) {
     if (n <= 0) return;
-    if (size_ == 1 || n == 1 || inside_pool()) {
+    if (current_thread() >= 0) {  // inside a task of some pool: stay on this thread and index
+      for (std::int64_t i = 0; i < n; ++i) fn(i, current_thread());
+      return;
+    }
+    if (size_ == 1 || n == 1) {
+      const AsThread zero(0);  // reset even if a task throws
       for (std::int64_t i = 0; i < n; ++i) fn(i, 0);
       return;
     }
@@ -68,9 +98,10 @@ class ThreadPool {
       ++generation_;
     }
     wake_.notify_all();
-    inside_pool() = true;
-    drain(0);
-    inside_pool() = false;
+    {
+      const AsThread zero(0);
+      drain(0);
+    }
     std::unique_lock<std::mutex> lock(mutex_);
     done_.wait(lock, [this] { return busy_ == 0; });
     job_ = nullptr;
@@ -78,9 +109,18 @@ class ThreadPool {
   }
 
  private:
-  static bool& inside_pool() {
-    thread_local bool inside = false;
-    return inside;
+  /// Marks this OS thread as pool thread `index` for the guard's lifetime.
+  struct AsThread {
+    explicit AsThread(int index) { current_thread() = index; }
+    ~AsThread() { current_thread() = -1; }
+    AsThread(const AsThread&) = delete;
+    AsThread& operator=(const AsThread&) = delete;
+  };
+
+  /// The index of the pool thread running on this OS thread while it runs tasks, else -1.
+  static int& current_thread() {
+    thread_local int index = -1;
+    return index;
   }
 
   void drain(int thread) {
@@ -95,7 +135,7 @@ class ThreadPool {
   }
 
   void work(int thread) {
-    inside_pool() = true;
+    current_thread() = thread;
     std::uint64_t seen = 0;
     for (;;) {
       {
@@ -117,7 +157,7 @@ class ThreadPool {
   std::mutex run_mutex_;  // one run at a time
   std::mutex mutex_;
   std::condition_variable wake_, done_;
-  const std::function<void(std::int64_t, int)>* job_ = nullptr;
+  const detail::TaskRef* job_ = nullptr;
   std::int64_t tasks_ = 0;
   std::atomic<std::int64_t> next_{0};
   int busy_ = 0;
@@ -126,17 +166,22 @@ class ThreadPool {
   std::exception_ptr error_;
 };
 
-/// Runs fn(task, thread) for task in [0, n) on `pool`, or inline on this thread when pool is null.
+/// Runs fn(task, thread) for task in [0, n) on `pool`, or inline on this thread (index 0) when
+/// pool is null.
 template <class F>
 void parallel_for(ThreadPool* pool, std::int64_t n, F&& fn) {
-  if (pool == nullptr || pool->size() == 1 || n <= 1) {
-    for (std::int64_t i = 0; i < n; ++i) fn(i, 0);
+  if (pool == nullptr) {
+    const int thread = std::max(0, ThreadPool::current_index());
+    for (std::int64_t i = 0; i < n; ++i) fn(i, thread);
     return;
   }
-  pool->run(n, std::function<void(std::int64_t, int)>(std::forward<F>(fn)));
+  pool->run(n, detail::TaskRef(fn));
 }
 
-/// Number of per-thread scratch slots a parallel_for on `pool` needs.
-inline int thread_slots(const ThreadPool* pool) { return pool ? pool->size() : 1; }
+/// Number of per-thread scratch arenas a parallel_for on `pool` needs from this thread: one per
+/// pool thread, and room for this thread's index when it already runs inside a pool's task.
+inline int thread_slots(const ThreadPool* pool) {
+  return std::max(pool ? pool->size() : 1, ThreadPool::current_index() + 1);
+}
 
 }  // namespace moh

@@ -4,8 +4,8 @@
 //
 // Blocking: B is packed per (KC x NC) block into panels of NR columns (bfloat16 is widened to T
 // while packing, so it costs nothing extra); A is read in place, MR rows at a time; a micro-kernel
-// keeps an MR x NR tile of C in vector registers over KC. The packs live in the thread's scratch
-// arena, so nothing is allocated once warm.
+// keeps an MR x NR tile of C in vector registers over KC. The packs come from the arena the
+// caller passes (its thread's, in a Workspace), so nothing is allocated once warm.
 //
 // In gemm() and small_product(), every element of C is one chain of multiply-adds (fused where
 // the target has FMA) over k = 0 .. K-1 in order, starting from C (accumulate) or zero, whatever
@@ -25,7 +25,7 @@
 #endif
 
 #include "moh/float16.hpp"
-#include "moh/scratch.hpp"
+#include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
@@ -344,7 +344,7 @@ inline void edge_kernel(Index np, const T* A, Index a_row, Index a_k, const T* B
 /// tiles; see multiply() for few rows.
 template <class T>
 void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N, Index K,
-          bool accumulate) {
+          bool accumulate, Arena& arena) {
   using S = GemmShape<T>;
   constexpr Index MR = S::MR, NR = S::NR, KC = S::KC, MC = S::MC, NC = S::NC;
   if (M <= 0 || N <= 0) return;
@@ -355,8 +355,9 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
   }
   const Index nc_max = std::min(NC, (N + NR - 1) / NR * NR);
   const Index kc_max = std::min(KC, K);
-  T* bp = scratch_matrix<T>(ScratchSlot::GemmPackB, kc_max, nc_max).data();
-  T* ap = scratch_matrix<T>(ScratchSlot::GemmPackA, kc_max, MR).data();
+  Arena::Scope scope(arena);
+  T* bp = arena.allocate<T>(kc_max * nc_max);
+  T* ap = arena.allocate<T>(kc_max * MR);
   alignas(64) T edge[MR * NR] = {};
 
   for (Index j0 = 0; j0 < N; j0 += NC) {
@@ -461,7 +462,7 @@ constexpr Index kUnpackedRows = 32;
 /// The last two compute the same chain per element, so their results are bitwise equal.
 template <class T>
 void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N,
-              Index K, bool accumulate) {
+              Index K, bool accumulate, Arena& arena) {
   using S = GemmShape<T>;
   if (B.transposed && M <= kFewRows) {
     if (B.values)
@@ -479,7 +480,7 @@ void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M
                                            B.reach);
     return;
   }
-  gemm<T>(A, lda, B, C, ldc, M, N, K, accumulate);
+  gemm<T>(A, lda, B, C, ldc, M, N, K, accumulate, arena);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)

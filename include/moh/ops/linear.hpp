@@ -1,0 +1,121 @@
+// Linear projection Y = X W^T + b, with W stored [out, in] as torch.nn.Linear stores it.
+//
+// Every projection in moh is one GEMM over all rows (batch x tokens) at once (ops/gemm.hpp), or
+// dot products against W's rows for a decode step's few rows. The parallel form splits Y into
+// fixed tiles whose size never depends on the thread count, so the result is bitwise identical
+// for any number of threads.
+#pragma once
+
+#include <algorithm>
+
+#include "moh/ops/gemm.hpp"
+#include "moh/runtime/thread_pool.hpp"
+#include "moh/runtime/workspace.hpp"
+#include "moh/tensor.hpp"
+
+namespace moh {
+
+template <class T>
+using RowsRef = Eigen::Ref<Matrix<T>, 0, Eigen::OuterStride<>>;
+template <class T>
+using ConstRowsRef = Eigen::Ref<const Matrix<T>, 0, Eigen::OuterStride<>>;
+
+namespace detail {
+
+// Tiles of the parallel projection: at most 4 x 4 per GEMM so that each tile runs near full GEMM
+// speed, at least 128 rows x 256 columns, and never fewer than one tile per core on a ViT-sized
+// input. The grid depends on the shape only, never on the thread count.
+inline Index linear_tile(Index n, Index minimum, Index align) {
+  const Index quarter = (n + 3) / 4;
+  return std::max(minimum, (quarter + align - 1) / align * align);
+}
+
+/// Calls fn(row0, rows, col0, cols, thread) for each tile of an [rows, cols] output, on `pool`.
+template <class Fn>
+void for_each_linear_tile(Index rows, Index cols, ThreadPool* pool, Fn&& fn) {
+  const Index row_tile = linear_tile(rows, 128, 16);
+  const Index col_tile = linear_tile(cols, 256, 64);
+  const Index row_tiles = (rows + row_tile - 1) / row_tile;
+  const Index col_tiles = (cols + col_tile - 1) / col_tile;
+  parallel_for(pool, row_tiles * col_tiles, [&](std::int64_t task, int thread) {
+    const Index r0 = (task / col_tiles) * row_tile, c0 = (task % col_tiles) * col_tile;
+    fn(r0, std::min(row_tile, rows - r0), c0, std::min(col_tile, cols - c0), thread);
+  });
+}
+
+/// Y[N, out] = X[N, in] B (+ bias[out] when not null) on this thread, where B is a GEMM operand
+/// (a weight matrix read transposed: B = W^T) with `out` columns.
+template <class T>
+void project_rows(const ConstRowsRef<T>& X, const GemmB<T>& B, const T* bias, RowsRef<T> Y,
+                  Arena& arena) {
+  multiply<T>(X.data(), X.outerStride(), B, Y.data(), Y.outerStride(), X.rows(), Y.cols(),
+              X.cols(), false, arena);
+  if (bias != nullptr)
+    Y.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, Y.cols());
+}
+
+/// The same over linear()'s fixed tiles of Y on exec's threads; operand(c0) is B from output
+/// column c0 on.
+template <class T, class Operand>
+void project_tiles(const ConstRowsRef<T>& X, Operand operand, const T* bias, RowsRef<T> Y,
+                   const Exec& exec) {
+  for_each_linear_tile(X.rows(), Y.cols(), exec.pool,
+                       [&](Index r0, Index nr, Index c0, Index nc, int thread) {
+                         project_rows<T>(X.middleRows(r0, nr), operand(c0),
+                                         bias ? bias + c0 : nullptr, Y.block(r0, c0, nr, nc),
+                                         exec.thread(thread));
+                       });
+}
+
+/// Throws unless X [N, in], W [out, in], bias [out] (bias < 0: none) and Y [N, out] agree.
+inline void check_linear(Index x_rows, Index x_cols, Index w_rows, Index w_cols, Index bias,
+                         Index y_rows, Index y_cols) {
+  if (x_cols != w_cols)
+    fail("linear: X [N, in] and W [out, in] disagree on in: expected X with ", w_cols,
+         " columns, got ", x_cols);
+  if (y_rows != x_rows || y_cols != w_rows)
+    fail("linear: Y: expected shape [", x_rows, ", ", w_rows, "], got [", y_rows, ", ", y_cols,
+         "]");
+  if (bias >= 0 && bias != w_rows) fail("linear: bias: expected shape [", w_rows, "], got [", bias, "]");
+}
+
+/// Y[N, out] = X[N, in] W[out, in]^T (+ bias) over linear()'s tiles on exec (shapes unchecked).
+template <class T>
+void project_matrix(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, const T* bias,
+                    RowsRef<T> Y, const Exec& exec) {
+  project_tiles<T>(
+      X,
+      [&](Index c0) {
+        return GemmB<T>{W.data() + c0 * W.outerStride(), nullptr, W.outerStride(), true};
+      },
+      bias, Y, exec);
+}
+
+template <class T>
+void linear_on(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, const T* bias, RowsRef<T> Y,
+               ThreadPool* pool, Workspace* workspace) {
+  const WorkspaceLease lease(workspace, pool, "linear");
+  project_matrix<T>(X, W, bias, Y, lease.exec());
+}
+
+}  // namespace detail
+
+/// Y[N, out] = X[N, in] W[out, in]^T: all rows at once, split over fixed tiles of Y run on
+/// `pool` (null: this thread), with scratch from `workspace` (null: a temporary one). Y may not
+/// alias X or W. Shapes are checked (moh::Error).
+template <class T>
+void linear(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, RowsRef<T> Y,
+            ThreadPool* pool = nullptr, Workspace* workspace = nullptr) {
+  detail::check_linear(X.rows(), X.cols(), W.rows(), W.cols(), -1, Y.rows(), Y.cols());
+  detail::linear_on<T>(X, W, nullptr, Y, pool, workspace);
+}
+
+/// Y[N, out] = X[N, in] W[out, in]^T + bias[out] (see the overload without a bias).
+template <class T>
+void linear(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, const Vector<T>& bias,
+            RowsRef<T> Y, ThreadPool* pool = nullptr, Workspace* workspace = nullptr) {
+  detail::check_linear(X.rows(), X.cols(), W.rows(), W.cols(), bias.size(), Y.rows(), Y.cols());
+  detail::linear_on<T>(X, W, bias.data(), Y, pool, workspace);
+}
+
+}  // namespace moh

@@ -1,0 +1,118 @@
+// KvCache: keys and values of past tokens for incremental (LLM-style) decoding.
+//
+// Preallocated once: [batch, kv_heads, capacity, head_dim] for keys and for values, plus a
+// [batch, capacity] padding flag per slot. A layer's forward_cached() appends the new tokens'
+// keys/values (after RoPE) and attends to everything cached, with bottom-right causal alignment,
+// so a chunk of new tokens sees the cache plus itself. One cache belongs to one layer; the layer
+// makes it (make_cache) and is the only one that writes it.
+#pragma once
+
+#include <vector>
+
+#include "moh/tensor.hpp"
+
+namespace moh {
+namespace detail {
+struct KvCacheAccess;
+}
+
+template <class T>
+class KvCache {
+ public:
+  KvCache() = default;
+  /// Allocates room for `capacity` tokens of `batch` sequences.
+  KvCache(Index batch, Index kv_heads, Index head_dim, Index capacity)
+      : batch_(batch), kv_heads_(kv_heads), head_dim_(head_dim), capacity_(capacity) {
+    detail::require(batch > 0 && kv_heads > 0 && head_dim > 0 && capacity > 0,
+                    "KvCache: sizes must be positive: expected batch, kv_heads, head_dim, "
+                    "capacity > 0, got ",
+                    batch, ", ", kv_heads, ", ", head_dim, ", ", capacity);
+    keys_.assign(static_cast<std::size_t>(batch * kv_heads * capacity * head_dim), T(0));
+    values_.assign(keys_.size(), T(0));
+    padding_.setConstant(batch * capacity, false);
+  }
+
+  Index batch() const { return batch_; }
+  Index kv_heads() const { return kv_heads_; }
+  Index head_dim() const { return head_dim_; }
+  Index capacity() const { return capacity_; }
+  /// Number of tokens cached so far (the same for every sequence of the batch).
+  Index length() const { return length_; }
+  /// Forgets every cached token; keeps the allocation.
+  void reset() { truncate(0); }
+  /// Forgets the tokens after the first `length` (e.g. rejected speculative tokens): the next
+  /// forward_cached() continues from position `length`. Requires 0 <= length <= length().
+  void truncate(Index length) {
+    detail::require(length >= 0 && length <= length_, "KvCache::truncate: expected a length in "
+                    "[0, ", length_, "] (the tokens cached), got ", length);
+    length_ = length;
+    if (length == 0) any_padding_ = false;
+  }
+  /// An independent copy (the copy constructor is deleted so a cache is never copied by accident).
+  KvCache clone() const { return KvCache(*this, 0); }
+
+  KvCache(KvCache&&) noexcept = default;
+  KvCache& operator=(KvCache&&) noexcept = default;
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
+
+  /// Keys of sequence b, kv head g: [capacity, head_dim], rows [0, length()) valid.
+  const T* keys(Index b, Index g) const { return keys_.data() + offset(b, g); }
+  const T* values(Index b, Index g) const { return values_.data() + offset(b, g); }
+  /// Whether slot `slot` (< length()) of sequence b holds a padding token.
+  bool is_padding(Index b, Index slot) const { return padding_[b * capacity_ + slot]; }
+
+ private:
+  friend struct detail::KvCacheAccess;
+  KvCache(const KvCache& other, int)
+      : batch_(other.batch_), kv_heads_(other.kv_heads_), head_dim_(other.head_dim_),
+        capacity_(other.capacity_), length_(other.length_), any_padding_(other.any_padding_),
+        keys_(other.keys_), values_(other.values_), padding_(other.padding_) {}
+  Index offset(Index b, Index g) const { return ((b * kv_heads_) + g) * capacity_ * head_dim_; }
+
+  Index batch_ = 0, kv_heads_ = 0, head_dim_ = 0, capacity_ = 0, length_ = 0;
+  bool any_padding_ = false;      // a slot was marked padding since the cache was last empty
+  std::vector<T> keys_, values_;  // [batch, kv_heads, capacity, head_dim]
+  Eigen::Matrix<bool, Eigen::Dynamic, 1> padding_;  // [batch, capacity], true = padding
+};
+
+namespace detail {
+
+/// What only the layers do with a cache: check it fits, write new slots, advance its length.
+struct KvCacheAccess {
+  /// Throws unless `cache` fits a layer with these sizes and has room for `new_tokens` more.
+  template <class T>
+  static void check(const KvCache<T>& c, Index batch, Index kv_heads, Index head_dim,
+                    Index new_tokens, const char* layer) {
+    require(c.capacity_ > 0, layer, ": KvCache is empty (default-constructed): expected a cache "
+            "made with make_cache(batch, capacity)");
+    require(c.batch_ == batch, layer, ": KvCache batch: expected ", batch, ", got ", c.batch_);
+    require(c.kv_heads_ == kv_heads, layer, ": KvCache kv_heads: expected ", kv_heads, ", got ",
+            c.kv_heads_);
+    require(c.head_dim_ == head_dim, layer, ": KvCache head_dim: expected ", head_dim, ", got ",
+            c.head_dim_);
+    require(c.length_ + new_tokens <= c.capacity_, layer, ": KvCache is full: expected at most ",
+            c.capacity_ - c.length_, " new tokens (capacity ", c.capacity_, ", length ",
+            c.length_, "), got ", new_tokens);
+  }
+  template <class T>
+  static T* keys(KvCache<T>& c, Index b, Index g) { return c.keys_.data() + c.offset(b, g); }
+  template <class T>
+  static T* values(KvCache<T>& c, Index b, Index g) { return c.values_.data() + c.offset(b, g); }
+  template <class T>
+  static void set_padding(KvCache<T>& c, Index b, Index slot, bool pad) {
+    c.padding_[b * c.capacity_ + slot] = pad;
+    c.any_padding_ = c.any_padding_ || pad;
+  }
+  /// Padding flags of sequence b ([capacity]), or null when no cached slot is padding.
+  template <class T>
+  static const bool* padding(const KvCache<T>& c, Index b) {
+    return c.any_padding_ ? c.padding_.data() + b * c.capacity_ : nullptr;
+  }
+  /// Advances the length after a layer wrote n new slots.
+  template <class T>
+  static void commit(KvCache<T>& c, Index n) { c.length_ += n; }
+};
+
+}  // namespace detail
+}  // namespace moh

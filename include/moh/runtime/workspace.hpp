@@ -1,0 +1,283 @@
+// moh::Workspace: the scratch memory of forward calls, owned by the caller.
+//
+// A forward pass needs temporary buffers: projected keys/values, queries, routing records, the
+// attention kernel's tiles and the GEMM's packed panels on every thread that runs a task. They
+// come from a Workspace the caller passes in ForwardOptions (or to linear() and attention()):
+// one arena for the call itself and one per thread of the pool (the calling thread is 0). An
+// arena hands out memory by bumping a pointer and takes it all back at the end of the scope
+// that asked for it, so a call of a given shape needs the same bytes every time: after the
+// first (warm-up) call, calls of that shape or smaller allocate nothing. The bytes held are the
+// most a single call has needed (bounded by the shapes seen), bytes() reports them and
+// release() frees them.
+//
+//   moh::Workspace ws;             // empty; grows on the first call
+//   moh::ForwardOptions opts;
+//   opts.workspace = &ws;          // not owned
+//   layer.forward(x, y, opts);     // warm calls of this shape allocate nothing
+//
+// A workspace serves one call at a time (a second call that uses it while the first runs is a
+// moh::Error, not a data race); give each thread that calls forward its own. Without a
+// workspace, a call makes a temporary one and frees it on return, so it allocates every time.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#include "moh/error.hpp"
+#include "moh/runtime/thread_pool.hpp"
+#include "moh/tensor.hpp"
+
+namespace moh {
+namespace detail {
+
+/// Grow-only bump allocator. allocate() returns 64-byte aligned, uninitialised memory that stays
+/// valid until the arena is rewound past it; Scope rewinds on destruction. When one call needs
+/// more than the first block holds, the arena spills into further blocks; once it is rewound to
+/// empty it merges them into one block of the high-water size, so the next call of the same
+/// shape runs in one block and allocates nothing.
+class Arena {
+ public:
+  static constexpr std::size_t kAlign = 64;
+
+  Arena() = default;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  Arena(Arena&&) noexcept = default;
+  Arena& operator=(Arena&&) noexcept = default;
+
+  /// Room for `count` values of T (trivially destructible types only).
+  template <class T>
+  T* allocate(Index count) {
+    static_assert(std::is_trivially_destructible<T>::value, "Arena holds plain data only");
+    require(count >= 0, "Arena: count must be >= 0: expected >= 0, got ", count);
+    return static_cast<T*>(allocate_bytes(static_cast<std::size_t>(count) * sizeof(T)));
+  }
+
+  /// A [rows, cols] row-major matrix view in the arena (contents unspecified).
+  template <class T>
+  MatrixMap<T> matrix(Index rows, Index cols) {
+    return MatrixMap<T>(allocate<T>(rows * cols), rows, cols);
+  }
+
+  /// Everything allocated after a Scope was made is taken back when it ends.
+  class Scope {
+   public:
+    explicit Scope(Arena& arena) : arena_(arena), block_(arena.block_), used_(arena.used_) {}
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+    ~Scope() { arena_.rewind(block_, used_); }
+
+   private:
+    Arena& arena_;
+    std::size_t block_, used_;
+  };
+
+  /// Bytes the arena holds (its blocks' capacity).
+  std::size_t bytes() const {
+    std::size_t total = 0;
+    for (const Block& b : blocks_) total += b.size;
+    return total;
+  }
+  /// Bytes in use by live scopes.
+  std::size_t in_use() const {
+    std::size_t total = used_;
+    for (std::size_t i = 0; i < block_ && i < blocks_.size(); ++i) total += blocks_[i].size;
+    return total;
+  }
+  /// The most bytes in use at once so far.
+  std::size_t peak() const { return peak_; }
+  /// Makes the arena one block of at least `bytes` (nothing may be in use), so that a later use
+  /// of up to that many bytes allocates nothing.
+  void reserve(std::size_t bytes) {
+    eigen_assert(in_use() == 0);
+    bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+    if (blocks_.size() == 1 && blocks_[0].size >= bytes) return;
+    if (bytes == 0) return;
+    blocks_.clear();
+    Block b;
+    b.data.reset(::operator new(bytes, std::align_val_t(kAlign)));
+    b.size = bytes;
+    blocks_.push_back(std::move(b));
+    block_ = used_ = 0;
+    peak_ = std::max(peak_, bytes);
+  }
+  /// Frees every block (nothing may be in use).
+  void release() {
+    eigen_assert(in_use() == 0);
+    blocks_.clear();
+    block_ = used_ = peak_ = 0;
+  }
+
+ private:
+  struct Free {
+    void operator()(void* p) const { ::operator delete(p, std::align_val_t(kAlign)); }
+  };
+  struct Block {
+    std::unique_ptr<void, Free> data;
+    std::size_t size = 0;
+  };
+
+  void* allocate_bytes(std::size_t bytes) {
+    bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+    for (;;) {
+      if (block_ < blocks_.size() && blocks_[block_].size - used_ >= bytes) {
+        void* p = static_cast<char*>(blocks_[block_].data.get()) + used_;
+        used_ += bytes;
+        peak_ = std::max(peak_, in_use());
+        return p;
+      }
+      if (block_ + 1 < blocks_.size()) {  // a later block from an earlier spill
+        ++block_;
+        used_ = 0;
+        continue;
+      }
+      // A new block: at least what is asked, and room to grow (the first call of a shape).
+      const std::size_t last = blocks_.empty() ? 0 : blocks_.back().size;
+      const std::size_t size = std::max<std::size_t>({bytes, 2 * last, std::size_t(1) << 16});
+      Block b;
+      b.data.reset(::operator new(size, std::align_val_t(kAlign)));
+      b.size = size;
+      blocks_.push_back(std::move(b));
+      block_ = blocks_.size() - 1;
+      used_ = 0;
+    }
+  }
+
+  void rewind(std::size_t block, std::size_t used) {
+    block_ = block;
+    used_ = used;
+    if (block == 0 && used == 0 && blocks_.size() > 1) {
+      // The call spilled: next time, one block of the most it needed.
+      const std::size_t size = (peak_ + kAlign - 1) / kAlign * kAlign;
+      blocks_.clear();
+      Block b;
+      b.data.reset(::operator new(size, std::align_val_t(kAlign)));
+      b.size = size;
+      blocks_.push_back(std::move(b));
+    }
+  }
+
+  std::vector<Block> blocks_;
+  std::size_t block_ = 0;  // the block allocations come from
+  std::size_t used_ = 0;   // bytes used in that block
+  std::size_t peak_ = 0;   // most bytes in use at once
+};
+
+}  // namespace detail
+
+namespace detail {
+struct WorkspaceAccess;
+}
+
+class Workspace {
+ public:
+  Workspace() = default;
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+
+  /// Bytes held between calls: the call's arena and every thread's.
+  std::size_t bytes() const {
+    std::size_t total = call_.bytes();
+    for (const auto& t : threads_) total += t->bytes();
+    return total;
+  }
+  /// Frees all scratch (the next call allocates it again). Not while a call uses the workspace.
+  void release() {
+    detail::require(!busy_.load(), "Workspace::release: the workspace is in use by a forward "
+                    "call: expected no call running, got one");
+    call_.release();
+    threads_.clear();
+  }
+
+  /// The arena of the call (its thread between parallel regions).
+  detail::Arena& call() { return call_; }
+  /// The arena of pool thread `thread` (0 = the calling thread); prepare() made it.
+  detail::Arena& thread(int thread) {
+    eigen_assert(thread >= 0 && static_cast<std::size_t>(thread) < threads_.size());
+    return *threads_[static_cast<std::size_t>(thread)];
+  }
+  /// Makes sure `threads` per-thread arenas exist (allocates only when the pool grew).
+  void prepare(int threads) {
+    while (threads_.size() < static_cast<std::size_t>(threads))
+      threads_.push_back(std::make_unique<detail::Arena>());
+  }
+  /// After a call: grows every thread's arena to the most any of them needed. Which thread runs
+  /// which task varies from call to call, so without this a warm call could hand a thread a
+  /// task larger than any it ran before.
+  void settle() {
+    std::size_t most = 0;
+    for (const auto& t : threads_) most = std::max(most, t->peak());
+    for (const auto& t : threads_) t->reserve(most);
+  }
+
+ private:
+  friend struct detail::WorkspaceAccess;
+  bool try_acquire() {
+    bool expected = false;
+    return busy_.compare_exchange_strong(expected, true);
+  }
+  void finish() { busy_.store(false); }
+
+  detail::Arena call_;
+  std::vector<std::unique_ptr<detail::Arena>> threads_;
+  std::atomic<bool> busy_{false};
+};
+
+namespace detail {
+
+/// Internal: acquires and releases a workspace for one call.
+struct WorkspaceAccess {
+  static bool try_acquire(Workspace& w) { return w.try_acquire(); }
+  static void finish(Workspace& w) { w.finish(); }
+};
+
+/// What a call runs on: its threads (null: the calling thread only) and its workspace.
+struct Exec {
+  ThreadPool* pool = nullptr;
+  Workspace* ws = nullptr;
+  Arena& call() const { return ws->call(); }
+  Arena& thread(int t) const { return ws->thread(t); }
+};
+
+/// The workspace of one call: the caller's (marked busy for the call) or a temporary one.
+class WorkspaceLease {
+ public:
+  /// Leases `given` (or a temporary) with arenas for every thread a parallel_for on `pool` uses.
+  WorkspaceLease(Workspace* given, ThreadPool* pool, const char* who) : pool_(pool) {
+    const int threads = thread_slots(pool);
+    if (given == nullptr) {
+      own_ = std::make_unique<Workspace>();
+      ws_ = own_.get();
+    } else {
+      require(WorkspaceAccess::try_acquire(*given), who,
+              ": workspace is in use by another call: expected a workspace that no call is "
+              "using (one per calling thread), got a busy one");
+      ws_ = given;
+    }
+    ws_->prepare(threads);
+  }
+  ~WorkspaceLease() {
+    if (own_ != nullptr) return;  // a temporary: freed now
+    ws_->settle();
+    WorkspaceAccess::finish(*ws_);
+  }
+  WorkspaceLease(const WorkspaceLease&) = delete;
+  WorkspaceLease& operator=(const WorkspaceLease&) = delete;
+
+  Workspace& get() const { return *ws_; }
+  Exec exec() const { return Exec{pool_, ws_}; }
+
+ private:
+  ThreadPool* pool_ = nullptr;
+  std::unique_ptr<Workspace> own_;
+  Workspace* ws_ = nullptr;
+};
+
+}  // namespace detail
+}  // namespace moh
