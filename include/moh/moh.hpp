@@ -1,27 +1,32 @@
 // moh: attention layers on Eigen — dense multi-head attention, Mixture-of-Head attention (MoH)
 // and Mixture of Attention heads (MoA) — whose cost follows the heads each token uses.
-// This header only includes the others.
+//
+// This header brings the layers, the ops they are built from and the runtime (threads, KV
+// cache, workspace); it needs Eigen and the standard library only. Checkpoints (safetensors
+// reading and writing, load_weights / save_weights) come from <moh/io.hpp>, which needs
+// nlohmann-json; the golden-case runner from <moh/io/golden_case.hpp>.
 #pragma once
 
 #include "moh/error.hpp"
-#include "moh/tensor.hpp"
-#include "moh/thread_pool.hpp"
-#include "moh/options.hpp"
-#include "moh/linear.hpp"
-#include "moh/weight_matrix.hpp"
-#include "moh/softmax.hpp"
-#include "moh/top_k.hpp"
-#include "moh/rope.hpp"
-#include "moh/attention_kernel.hpp"
-#include "moh/kv_cache.hpp"
-#include "moh/moh_router.hpp"
-#include "moh/moa_router.hpp"
-#include "moh/multi_head_attention.hpp"
-#include "moh/moh_attention.hpp"
-#include "moh/moa_attention.hpp"
 #include "moh/float16.hpp"
-#include "moh/safetensors.hpp"
-#include "moh/safetensors_writer.hpp"
-#include "moh/sharded_safetensors.hpp"
-#include "moh/checkpoint.hpp"
-#include "moh/golden_case.hpp"
+#include "moh/tensor.hpp"
+
+#include "moh/runtime/kv_cache.hpp"
+#include "moh/runtime/thread_pool.hpp"
+#include "moh/runtime/workspace.hpp"
+
+#include "moh/ops/attention_kernel.hpp"
+#include "moh/ops/gemm.hpp"
+#include "moh/ops/linear.hpp"
+#include "moh/ops/rope.hpp"
+#include "moh/ops/softmax.hpp"
+#include "moh/ops/top_k.hpp"
+#include "moh/ops/weight_matrix.hpp"
+
+#include "moh/layers/attention_config.hpp"
+#include "moh/layers/moa_attention.hpp"
+#include "moh/layers/moa_router.hpp"
+#include "moh/layers/moh_attention.hpp"
+#include "moh/layers/moh_router.hpp"
+#include "moh/layers/multi_head_attention.hpp"
+#include "moh/layers/options.hpp"

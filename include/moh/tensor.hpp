@@ -39,7 +39,7 @@ using StridedMap = Eigen::Map<Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>
 template <class T>
 using ConstStridedMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
 
-/// Maps a [B, T, F] tensor as a row-major [B*T, F] matrix without copying.
+/// Maps a [B, T, F] tensor view as a row-major [B*T, F] matrix without copying.
 template <class T>
 ConstMatrixMap<T> as_rows(const ConstTensorMap3<T>& t) {
   return ConstMatrixMap<T>(t.data(), t.dimension(0) * t.dimension(1), t.dimension(2));
@@ -48,42 +48,42 @@ template <class T>
 MatrixMap<T> as_rows(TensorMap3<T>& t) {
   return MatrixMap<T>(t.data(), t.dimension(0) * t.dimension(1), t.dimension(2));
 }
-template <class T>
-ConstMatrixMap<T> as_rows(const Tensor3<T>& t) {
-  return ConstMatrixMap<T>(t.data(), t.dimension(0) * t.dimension(1), t.dimension(2));
-}
-template <class T>
-MatrixMap<T> as_rows(Tensor3<T>& t) {
-  return MatrixMap<T>(t.data(), t.dimension(0) * t.dimension(1), t.dimension(2));
+
+/// The names of an enum's values, in order, for configs saved as text: specialised next to each
+/// enum (`static constexpr const char* names[]`).
+template <class Enum>
+struct EnumNames;
+
+/// The name of `value` ("?" when out of range).
+template <class Enum>
+const char* enum_name(Enum value) {
+  const auto& names = EnumNames<Enum>::names;
+  const auto i = static_cast<std::size_t>(value);
+  return i < sizeof(names) / sizeof(names[0]) ? names[i] : "?";
 }
 
-/// Views a row-major [batch*tokens, F] matrix as a [batch, tokens, F] tensor without copying.
-template <class T>
-ConstTensorMap3<T> as_tensor(const Matrix<T>& m, Index batch, Index tokens) {
-  detail::require(batch * tokens == m.rows(), "as_tensor: batch * tokens must equal the rows: "
-                  "expected ", m.rows(), ", got ", batch, " * ", tokens);
-  return ConstTensorMap3<T>(m.data(), batch, tokens, m.cols());
-}
-template <class T>
-TensorMap3<T> as_tensor(Matrix<T>& m, Index batch, Index tokens) {
-  detail::require(batch * tokens == m.rows(), "as_tensor: batch * tokens must equal the rows: "
-                  "expected ", m.rows(), ", got ", batch, " * ", tokens);
-  return TensorMap3<T>(m.data(), batch, tokens, m.cols());
-}
-
-/// Throws moh::Error naming `what` unless `t` is [batch, tokens, features] (-1 = any).
+/// Throws moh::Error naming `layer: what` unless `t` is [batch, tokens, features] (-1 = any).
+/// Nothing is allocated unless it throws.
 template <class TensorLike>
-void require_shape3(const std::string& what, const TensorLike& t, Index batch, Index tokens,
-                    Index features) {
+void require_shape3(const char* layer, const char* what, const TensorLike& t, Index batch,
+                    Index tokens, Index features) {
   const Index want[3] = {batch, tokens, features};
   bool ok = true;
   for (int i = 0; i < 3; ++i) ok = ok && (want[i] < 0 || t.dimension(i) == want[i]);
   if (ok) return;
   std::vector<std::string> w;
   for (Index v : want) w.push_back(v < 0 ? std::string("*") : std::to_string(v));
-  detail::fail(what, ": expected shape ", detail::shape_string(w), ", got ",
+  detail::fail(layer, *layer ? ": " : "", what, ": expected shape ", detail::shape_string(w),
+               ", got ",
                detail::shape_string(std::vector<Index>{t.dimension(0), t.dimension(1),
                                                        t.dimension(2)}));
+}
+
+/// Throws moh::Error naming `what` unless `t` is [batch, tokens, features] (-1 = any).
+template <class TensorLike>
+void require_shape3(const std::string& what, const TensorLike& t, Index batch, Index tokens,
+                    Index features) {
+  require_shape3("", what.c_str(), t, batch, tokens, features);
 }
 
 }  // namespace moh

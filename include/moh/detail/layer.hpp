@@ -1,0 +1,366 @@
+// Internal: the skeleton every attention layer shares.
+//
+// AttentionLayer<Derived, T, Routing> implements, once for all layers, what does not depend on
+// how a layer turns queries into outputs:
+//   - self-attention (forward), cross-attention (forward_cross) and cached decoding
+//     (forward_cached): checking the inputs and the options, projecting the keys and values of
+//     x, of the memory or of the new tokens (RoPE'd from the right position), appending them to
+//     the cache, and resolving the causal mask;
+//   - cache creation and the size accessors;
+//   - weights by name (weight_infos, set_weight, weight) and the check that every weight was set
+//     before a forward call.
+// The derived layer supplies its key/value projection and the attention proper:
+//   void project_keys_values(const ConstRowsRef<T>& src, RowsRef<T> KV, const Exec&) const;
+//       KV [N, 2 H_kv d]: key heads, then value heads, before RoPE
+//   void attend(const Pass<T, Routing>&) const;
+//   void store_weight(const std::string& name, const T* values);   // numel values, row-major
+//   void load_weight(const std::string& name, T* values) const;
+//   static constexpr const char* kName;  static constexpr bool kHasModes;
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moh/detail/attend.hpp"
+#include "moh/layers/attention_config.hpp"
+#include "moh/layers/options.hpp"
+#include "moh/ops/linear.hpp"
+#include "moh/ops/rope.hpp"
+#include "moh/runtime/kv_cache.hpp"
+#include "moh/runtime/workspace.hpp"
+#include "moh/tensor.hpp"
+
+namespace moh {
+
+/// The routing record of a layer that routes nothing (MultiHeadAttention).
+struct NoRouting {};
+
+namespace detail {
+
+/// Head sizes of a layer, validated once by its config.
+struct HeadShape {
+  Index D = 0;     // embed_dim
+  Index H = 0;     // query heads (MoA: experts)
+  Index d = 0;     // head_dim
+  Index Hkv = 0;   // key/value heads
+  Index D_kv = 0;  // width of the rows keys and values are projected from (the memory's)
+  bool rope = false;
+  double rope_theta = 10000.0;
+  Index group() const { return H / Hkv; }
+  Index kv_width() const { return 2 * Hkv * d; }
+};
+
+/// Validates the fields of AttentionConfig that every layer reads the same way.
+inline void validate_common(const AttentionConfig& c, const char* layer) {
+  require(c.embed_dim > 0, layer, ": embed_dim must be positive: expected > 0, got ", c.embed_dim);
+  require(c.head_dim >= 0, layer, ": head_dim must be >= 0, got ", c.head_dim);
+  require(c.num_kv_heads >= 0, layer, ": num_kv_heads must be >= 0 (0 = the default), got ",
+          c.num_kv_heads);
+  if (c.rope) require(c.rope_theta > 0, layer, ": rope_theta must be positive: expected > 0, got ",
+                      c.rope_theta);
+}
+
+/// One attention call as the derived layer sees it.
+template <class T, class Routing>
+struct Pass {
+  ConstMatrixMap<T> X;        // [B*T, D] rows of x
+  Index batch = 0, tokens = 0;
+  const KeyValues<T>& kv;     // keys/values to attend to
+  Index first_position = 0;   // RoPE position of x's first token
+  bool causal = false;
+  ComputeMode mode = ComputeMode::Auto;
+  mutable MatrixMap<T> Y;     // [B*T, D] rows of y (written through a const Pass)
+  Routing* routing = nullptr;  // the caller's record, or null
+  Exec exec;
+};
+
+/// Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) like torch.nn.Linear's default init.
+template <class T>
+void fill_uniform(T* data, Index n, Index fan_in, std::mt19937_64& rng) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+  std::uniform_real_distribution<double> dist(-bound, bound);
+  for (Index i = 0; i < n; ++i) data[i] = static_cast<T>(dist(rng));
+}
+
+template <class Derived, class T, class Routing>
+class AttentionLayer {
+ public:
+  using Scalar = T;
+  using RoutingRecord = Routing;
+
+  Index embed_dim() const { return shape_.D; }
+  /// Query heads (MoA: experts, each with num_kv_heads query heads).
+  Index num_heads() const { return shape_.H; }
+  Index num_kv_heads() const { return shape_.Hkv; }
+  Index head_dim() const { return shape_.d; }
+  /// Width of the memory forward_cross() takes keys and values from.
+  Index memory_dim() const { return shape_.D_kv; }
+
+  /// Self-attention. x, y: [B, T, D] (y written, may not alias x). Fills `routing` when given.
+  void forward(const ConstTensorMap3<T>& x, TensorMap3<T> y, const ForwardOptions& opts = {},
+               Routing* routing = nullptr) const {
+    check_call(x, y, opts, Kind::Self);
+    const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
+    const Exec exec = lease.exec();
+    const Arena::Scope scope(exec.call());
+    const KeyValues<T> kv = keys_values_of(x, opts.position_offset, opts.key_padding_mask, exec);
+    run(x, kv, opts.position_offset, opts, Kind::Self, y, routing, exec);
+  }
+
+  /// Cross-attention: queries (and routing) from x [B, T, D], keys/values from memory
+  /// [B, S, memory_dim()]; key_padding_mask [B, S].
+  void forward_cross(const ConstTensorMap3<T>& x, const ConstTensorMap3<T>& memory,
+                     TensorMap3<T> y, const ForwardOptions& opts = {},
+                     Routing* routing = nullptr) const {
+    check_call(x, y, opts, Kind::Cross);
+    require_shape3(Derived::kName, "memory", memory, x.dimension(0), -1, shape_.D_kv);
+    const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
+    const Exec exec = lease.exec();
+    const Arena::Scope scope(exec.call());
+    const KeyValues<T> kv = keys_values_of(memory, 0, opts.key_padding_mask, exec);
+    run(x, kv, opts.position_offset, opts, Kind::Cross, y, routing, exec);
+  }
+
+  /// Incremental self-attention: x [B, T_new, D] are the next tokens after those in `cache`;
+  /// their keys/values are appended and they attend to the whole cache, causally unless
+  /// opts.causal is Off. RoPE positions continue from cache.length(). Padding of the new
+  /// tokens: opts.new_token_padding_mask [B, T_new].
+  void forward_cached(const ConstTensorMap3<T>& x, TensorMap3<T> y, KvCache<T>& cache,
+                      const ForwardOptions& opts = {}, Routing* routing = nullptr) const {
+    check_call(x, y, opts, Kind::Cached);
+    const Index B = x.dimension(0), Tq = x.dimension(1), start = cache.length();
+    KvCacheAccess::check(cache, B, shape_.Hkv, shape_.d, Tq, Derived::kName);
+    const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
+    const Exec exec = lease.exec();
+    const Arena::Scope scope(exec.call());
+    const MatrixMap<T> KV = projected(x, start, exec);
+    append(KV, B, Tq, opts.new_token_padding_mask, cache);
+    run(x, cache_view(cache), start, opts, Kind::Cached, y, routing, exec);
+  }
+
+  /// Convenience: returns y for self-attention (allocates it).
+  Tensor3<T> operator()(const Tensor3<T>& x, const ForwardOptions& opts = {},
+                        Routing* routing = nullptr) const {
+    Tensor3<T> y(x.dimension(0), x.dimension(1), shape_.D);
+    forward(x, y, opts, routing);
+    return y;
+  }
+
+  /// A cache for `batch` sequences of up to `capacity` tokens, sized for this layer.
+  KvCache<T> make_cache(Index batch, Index capacity) const {
+    return KvCache<T>(batch, shape_.Hkv, shape_.d, capacity);
+  }
+
+  // ---- weights by name ---------------------------------------------------------------------
+
+  /// The layer's tensors under the authors' PyTorch names, with their shapes.
+  const std::vector<WeightInfo>& weight_infos() const { return infos_; }
+
+  /// Sets tensor `name` from `count` = numel values, row-major in its PyTorch shape (bfloat16
+  /// storage rounds them). Unknown names and wrong counts throw moh::Error.
+  void set_weight(const std::string& name, const T* values, Index count) {
+    const std::size_t i = index_of(name);
+    require(count == infos_[i].numel(), Derived::kName, ": ", name, ": expected ",
+            infos_[i].numel(), " values (shape ", shape_string(infos_[i].shape), "), got ", count);
+    derived().store_weight(name, values);
+    set_[i] = 1;
+  }
+  /// Sets a tensor from a matrix [numel / last dim, last dim]; a 1-D tensor [n] from a vector
+  /// (a matrix [n, 1] or [1, n]).
+  void set_weight(const std::string& name, const Matrix<T>& values) {
+    const WeightInfo& w = infos_[index_of(name)];
+    if (w.shape.size() == 1) {
+      const bool vector = values.cols() == 1 || values.rows() == 1;
+      if (!vector || values.size() != w.shape[0])
+        fail(Derived::kName, ": ", name, ": expected shape [", w.shape[0], "], got ",
+             vector ? shape_string(std::vector<Index>{values.size()})
+                    : shape_string(std::vector<Index>{values.rows(), values.cols()}));
+    } else {
+      const Index cols = w.shape.back(), rows = w.numel() / std::max<Index>(cols, 1);
+      if (values.rows() != rows || values.cols() != cols)
+        fail(Derived::kName, ": ", name, ": expected shape [", rows, ", ", cols, "], got [",
+             values.rows(), ", ", values.cols(), "]");
+    }
+    set_weight(name, values.data(), values.size());
+  }
+  /// The values of tensor `name`, row-major in its PyTorch shape (exact for bfloat16 storage).
+  std::vector<T> weight(const std::string& name) const {
+    std::vector<T> out(static_cast<std::size_t>(infos_[index_of(name)].numel()));
+    derived().load_weight(name, out.data());
+    return out;
+  }
+  /// Whether every tensor has been set (by a seed, zero_weights, the setters or load_weights).
+  bool weights_set() const {
+    return std::all_of(set_.begin(), set_.end(), [](char s) { return s != 0; });
+  }
+
+ protected:
+  AttentionLayer(const HeadShape& shape, std::vector<WeightInfo> infos)
+      : shape_(shape), infos_(std::move(infos)), set_(infos_.size(), 0) {}
+
+  const HeadShape& shape() const { return shape_; }
+  /// After a seeded or zero initialisation.
+  void mark_weights_set() { std::fill(set_.begin(), set_.end(), 1); }
+
+  /// Matrix [rows, cols] view of tensor `name`'s values for a typed accessor.
+  Matrix<T> weight_matrix(const std::string& name, Index rows, Index cols) const {
+    const std::vector<T> v = weight(name);
+    return ConstMatrixMap<T>(v.data(), rows, cols);
+  }
+
+  /// RoPE on `heads` heads of size d at column `col` of each row of M ([B*T, *]), positions
+  /// first + t. No-op when the layer has no RoPE.
+  void rope_rows(RowsRef<T> M, Index col, Index heads, Index batch, Index tokens, Index first,
+                 Arena& arena) const {
+    if (!shape_.rope) return;
+    const Arena::Scope scope(arena);
+    const RopeTable<T> table = rope_table(first, tokens, arena);
+    for (Index b = 0; b < batch; ++b)
+      for (Index t = 0; t < tokens; ++t)
+        for (Index h = 0; h < heads; ++h)
+          table.rotate(M.row(b * tokens + t).data() + col + h * shape_.d, t);
+  }
+  /// The cos/sin table of positions [first, first + tokens) in `arena`; empty without RoPE.
+  RopeTable<T> rope_table(Index first, Index tokens, Arena& arena) const {
+    if (!shape_.rope) return RopeTable<T>();
+    return RopeTable<T>(first, tokens, shape_.d, shape_.rope_theta,
+                        arena.allocate<T>(RopeTable<T>::storage_size(tokens, shape_.d)));
+  }
+
+ private:
+  enum class Kind { Self, Cross, Cached };
+
+  const Derived& derived() const { return static_cast<const Derived&>(*this); }
+  Derived& derived() { return static_cast<Derived&>(*this); }
+
+  std::size_t index_of(const std::string& name) const {
+    for (std::size_t i = 0; i < infos_.size(); ++i)
+      if (infos_[i].name == name) return i;
+    std::string names;
+    for (const WeightInfo& w : infos_) names += (names.empty() ? "" : ", ") + w.name;
+    fail(Derived::kName, ": no weight named '", name, "': expected one of [", names, "]");
+  }
+
+  void check_call(const ConstTensorMap3<T>& x, const TensorMap3<T>& y, const ForwardOptions& o,
+                  Kind kind) const {
+    const char* name = Derived::kName;
+    require_shape3(name, "x", x, -1, -1, shape_.D);
+    require_shape3(name, "y", y, x.dimension(0), x.dimension(1), shape_.D);
+    if (!weights_set()) {
+      std::string unset;
+      for (std::size_t i = 0; i < infos_.size(); ++i)
+        if (!set_[i]) unset += (unset.empty() ? "" : ", ") + infos_[i].name;
+      fail(name, ": weights not set: [", unset, "]: expected every weight set (the setters or "
+           "load_weights), or a layer built with a seed or moh::zero_weights");
+    }
+    if (!Derived::kHasModes && o.mode != ComputeMode::Auto)
+      fail(name, ": mode: this layer has no compute modes: expected ComputeMode::Auto, got ",
+           o.mode == ComputeMode::Dense ? "Dense" : "Sparse");
+    if (kind == Kind::Cached) {
+      if (o.position_offset != 0)
+        fail(name, ": position_offset: a cached call continues from the cache's length: "
+             "expected 0, got ", o.position_offset);
+      if (o.key_padding_mask)
+        fail(name, ": key_padding_mask is for forward and forward_cross ([batch, keys]): "
+             "expected none in forward_cached, which takes new_token_padding_mask [batch, new "
+             "tokens], got a [", o.key_padding_mask->dimension(0), ", ",
+             o.key_padding_mask->dimension(1), "] mask");
+    } else {
+      if (o.new_token_padding_mask)
+        fail(name, ": new_token_padding_mask is for forward_cached: expected none here, where "
+             "padding is key_padding_mask [batch, keys], got a [",
+             o.new_token_padding_mask->dimension(0), ", ",
+             o.new_token_padding_mask->dimension(1), "] mask");
+      if (o.position_offset != 0 && !shape_.rope)
+        fail(name, ": position_offset: the layer has no RoPE (rope = false): expected 0, got ",
+             o.position_offset);
+    }
+    require(o.position_offset >= 0, name, ": position_offset: expected >= 0, got ",
+            o.position_offset);
+  }
+
+  // Keys/values of src's rows [B*S, 2 H_kv d] in the call's arena, keys RoPE'd from `first`.
+  MatrixMap<T> projected(const ConstTensorMap3<T>& src, Index first, const Exec& exec) const {
+    const Index B = src.dimension(0), S = src.dimension(1);
+    MatrixMap<T> KV = exec.call().template matrix<T>(B * S, shape_.kv_width());
+    derived().project_keys_values(as_rows(src), KV, exec);
+    rope_rows(KV, 0, shape_.Hkv, B, S, first, exec.call());
+    return KV;
+  }
+
+  KeyValues<T> keys_values_of(const ConstTensorMap3<T>& src, Index first,
+                              const PaddingMask& padding, const Exec& exec) const {
+    const Index B = src.dimension(0), S = src.dimension(1);
+    check_padding(padding, B, S, "key_padding_mask");
+    const MatrixMap<T> KV = projected(src, first, exec);
+    KeyValues<T> kv;
+    const Index w = shape_.kv_width(), d = shape_.d;
+    kv.k = HeadsView<T>{KV.data(), w, S * w, d};
+    kv.v = HeadsView<T>{KV.data() + shape_.Hkv * d, w, S * w, d};
+    kv.keys = S;
+    kv.kv_heads = shape_.Hkv;
+    if (padding) {
+      kv.padding = padding->data();
+      kv.padding_stride = S;
+    }
+    return kv;
+  }
+
+  void check_padding(const PaddingMask& mask, Index batch, Index tokens, const char* what) const {
+    if (!mask) return;
+    if (mask->dimension(0) != batch || mask->dimension(1) != tokens)
+      fail(Derived::kName, ": ", what, ": expected shape [", batch, ", ", tokens, "], got [",
+           mask->dimension(0), ", ", mask->dimension(1), "]");
+  }
+
+  /// Writes the new tokens' keys/values (KV [B*T, 2 H_kv d]) and padding flags into `cache`.
+  void append(const ConstRowsRef<T>& KV, Index batch, Index tokens, const PaddingMask& padding,
+              KvCache<T>& cache) const {
+    check_padding(padding, batch, tokens, "new_token_padding_mask");
+    const Index start = cache.length(), d = shape_.d, Hkv = shape_.Hkv;
+    for (Index b = 0; b < batch; ++b)
+      for (Index t = 0; t < tokens; ++t) {
+        const T* row = KV.row(b * tokens + t).data();
+        for (Index g = 0; g < Hkv; ++g) {
+          std::copy(row + g * d, row + (g + 1) * d, KvCacheAccess::keys(cache, b, g) + (start + t) * d);
+          std::copy(row + (Hkv + g) * d, row + (Hkv + g + 1) * d,
+                    KvCacheAccess::values(cache, b, g) + (start + t) * d);
+        }
+        KvCacheAccess::set_padding(cache, b, start + t, padding ? (*padding)(b, t) : false);
+      }
+    KvCacheAccess::commit(cache, tokens);
+  }
+
+  /// The whole cache as keys/values to attend to.
+  static KeyValues<T> cache_view(const KvCache<T>& cache) {
+    KeyValues<T> kv;
+    const Index cap = cache.capacity(), d = cache.head_dim();
+    kv.k = HeadsView<T>{cache.keys(0, 0), d, cache.kv_heads() * cap * d, cap * d};
+    kv.v = HeadsView<T>{cache.values(0, 0), d, cache.kv_heads() * cap * d, cap * d};
+    kv.keys = cache.length();
+    kv.kv_heads = cache.kv_heads();
+    kv.padding = KvCacheAccess::padding(cache, 0);
+    kv.padding_stride = cap;
+    return kv;
+  }
+
+  void run(const ConstTensorMap3<T>& x, const KeyValues<T>& kv, Index first,
+           const ForwardOptions& o, Kind kind, TensorMap3<T>& y, Routing* routing,
+           const Exec& exec) const {
+    const bool causal = o.causal == Causal::On || (o.causal == Causal::Auto && kind == Kind::Cached);
+    const Pass<T, Routing> pass{as_rows(x), x.dimension(0), x.dimension(1), kv, first, causal,
+                                o.mode, as_rows(y), routing, exec};
+    derived().attend(pass);
+  }
+
+  HeadShape shape_;
+  std::vector<WeightInfo> infos_;
+  std::vector<char> set_;  // [infos_.size()]: whether each tensor was set
+};
+
+}  // namespace detail
+}  // namespace moh
