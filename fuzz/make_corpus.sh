@@ -8,20 +8,8 @@ export LC_ALL=C
 out=${1:-"$(dirname "${BASH_SOURCE[0]}")/corpus"}
 mkdir -p "$out"
 
-# write NAME HEADER DATA: the header's 8-byte little-endian length, the header (ASCII JSON), then
-# DATA, a printf format made of \x escapes.
-write() {
-  local name=$1 header=$2 data=$3 n=${#2} i
-  {
-    for i in 0 1 2 3 4 5 6 7; do
-      # shellcheck disable=SC2059
-      printf "\\x$(printf %02x $(((n >> (8 * i)) & 255)))"
-    done
-    printf '%s' "$header"
-    # shellcheck disable=SC2059
-    printf "$data"
-  } > "$out/$name"
-}
+# shellcheck source=../tests/tools/write_safetensors.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../tests/tools/write_safetensors.sh"
 
 m='"__metadata__":{"format":"pt"}'
 write f64.safetensors "{$m,\"t\":{\"dtype\":\"F64\",\"shape\":[2],\"data_offsets\":[0,16]}}" \

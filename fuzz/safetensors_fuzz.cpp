@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "moh/safetensors.hpp"
+#include "moh/io/safetensors.hpp"
 
 namespace {
 

@@ -48,35 +48,40 @@ int run(int argc, char** argv) {
   const moh::Index tokens = argc > 2 ? parse_tokens(argv[2]) : 8192, D = 1024, H = 16;
   moh::Tensor3<float> x(1, tokens, D), y(1, tokens, D);
   x.setRandom();
+  moh::Workspace workspace;  // the call's scratch, reported below
+  moh::ForwardOptions opts;
+  opts.workspace = &workspace;
   const double before = peak_mib();
   const auto start = std::chrono::steady_clock::now();
   if (layer == "mha") {
-    moh::MhaConfig c;
+    moh::MHAConfig c;
     c.embed_dim = D;
     c.num_heads = H;
-    moh::MultiHeadAttention<float>(c, 1).forward(x, y);
+    moh::MultiHeadAttention<float>(c, 1).forward(x, y, opts);
   } else if (layer == "moh") {
     moh::MoHConfig c;
     c.embed_dim = D;
     c.num_heads = H;
     c.shared_heads = 4;
     c.active_routed_heads = 4;  // 50% of the heads
-    moh::MoHAttention<float>(c, 1).forward(x, y);
+    moh::MoHAttention<float>(c, 1).forward(x, y, opts);
   } else {
     moh::MoAConfig c;
     c.embed_dim = D;
     c.head_dim = 64;
     c.num_experts = 16;
     c.top_k = 2;
-    moh::MoAAttention<float>(c, 1).forward(x, y);
+    moh::MoAAttention<float>(c, 1).forward(x, y, opts);
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double score_matrix_mib = static_cast<double>(tokens) * tokens * H * 4 / (1 << 20);
   std::printf("%s prefill: batch 1, tokens %ld, D %ld, H %ld: %.1f s, peak RSS %.0f MiB "
-              "(%.0f MiB before the layer ran; the scores of all heads would need %.0f MiB)\n",
+              "(%.0f MiB before the layer ran; workspace %.0f MiB; the scores of all heads would "
+              "need %.0f MiB)\n",
               layer.c_str(), static_cast<long>(tokens), static_cast<long>(D),
-              static_cast<long>(H), seconds, peak_mib(), before, score_matrix_mib);
+              static_cast<long>(H), seconds, peak_mib(), before,
+              static_cast<double>(workspace.bytes()) / (1 << 20), score_matrix_mib);
   return 0;
 }
 

@@ -6,7 +6,8 @@
 #include <exception>
 #include <string>
 
-#include "moh/moh.hpp"
+#include "moh/io.hpp"
+#include "moh/io/golden_case.hpp"
 
 namespace {
 

@@ -5,20 +5,8 @@ set -euo pipefail
 export LC_ALL=C
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
-# write NAME HEADER DATA: the header's 8-byte little-endian length, the header (ASCII), then DATA,
-# a printf format made of \x escapes.
-write() {
-  local name=$1 header=$2 data=$3 n=${#2} i
-  {
-    for i in 0 1 2 3 4 5 6 7; do
-      # shellcheck disable=SC2059
-      printf "\\x$(printf %02x $(((n >> (8 * i)) & 255)))"
-    done
-    printf '%s' "$header"
-    # shellcheck disable=SC2059
-    printf "$data"
-  } > "$name"
-}
+# shellcheck source=write_safetensors.sh
+source ./write_safetensors.sh
 
 x='"x":{"dtype":"F32","shape":[1,2,2],"data_offsets":[0,16]}'
 x_data='\x00\x00\x80\x3f\x00\x00\x00\x40\x00\x00\x40\x40\x00\x00\x80\x40'

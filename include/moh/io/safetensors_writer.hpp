@@ -26,98 +26,12 @@
 #include <vector>
 
 #include "moh/error.hpp"
-#include "moh/safetensors.hpp"
+#include "moh/io/dtype.hpp"
+#include "moh/io/json.hpp"
+#include "moh/io/mapped_file.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
-
-/// The dtype that holds T without conversion: float -> F32, double -> F64, int64_t -> I64,
-/// int32_t -> I32, int16_t -> I16, int8_t -> I8, uint8_t -> U8, bool -> BOOL.
-template <class T>
-constexpr DType dtype_for() {
-  static_assert(std::is_same<T, bool>::value || std::is_same<T, float>::value ||
-                    std::is_same<T, double>::value ||
-                    (std::is_integral<T>::value && std::is_signed<T>::value) ||
-                    (std::is_integral<T>::value && sizeof(T) == 1),
-                "moh::dtype_for: no safetensors dtype holds this type exactly");
-  if constexpr (std::is_same<T, bool>::value) {
-    return DType::BOOL;
-  } else if constexpr (std::is_same<T, float>::value) {
-    return DType::F32;
-  } else if constexpr (std::is_same<T, double>::value) {
-    return DType::F64;
-  } else if constexpr (!std::is_signed<T>::value) {
-    return DType::U8;
-  } else if constexpr (sizeof(T) == 8) {
-    return DType::I64;
-  } else if constexpr (sizeof(T) == 4) {
-    return DType::I32;
-  } else if constexpr (sizeof(T) == 2) {
-    return DType::I16;
-  } else {
-    return DType::I8;
-  }
-}
-
-namespace detail {
-
-/// Stores the low sizeof(U) bytes of `value` at `p`, little-endian (any host byte order).
-template <class U>
-void store_le(std::uint8_t* p, U value) {
-  static_assert(std::is_unsigned<U>::value, "store_le writes unsigned integers");
-  for (std::size_t i = 0; i < sizeof(U); ++i) p[i] = static_cast<std::uint8_t>(value >> (8 * i));
-}
-
-/// double -> float rounding to odd: an inexact result keeps the truncated value with its last
-/// bit set. Rounding that to a narrower format (half, bfloat16: >= 2 bits fewer) then gives the
-/// same result as rounding the double directly, which double -> float -> half would not.
-inline float round_to_odd_float(double v) {
-  if (std::isnan(v)) return static_cast<float>(v);
-  constexpr double kMax = static_cast<double>(std::numeric_limits<float>::max());
-  if (std::isinf(v)) return static_cast<float>(v);
-  constexpr float kOddMax = std::numeric_limits<float>::max();  // mantissa all ones: odd
-  if (v > kMax) return kOddMax;
-  if (v < -kMax) return -kOddMax;
-  const float nearest = static_cast<float>(v);
-  if (static_cast<double>(nearest) == v) return nearest;
-  std::uint32_t bits = bit_cast_value<std::uint32_t>(nearest);
-  if (std::fabs(static_cast<double>(nearest)) > std::fabs(v)) --bits;  // truncate toward zero
-  return bit_cast_value<float>(bits | 1u);
-}
-
-/// Integer -> double rounding to odd (exact below 2^53): the dropped low bits become a sticky
-/// last bit, so a later rounding to a narrower format rounds only once.
-template <class I>
-double round_to_odd_double(I v) {
-  static_assert(std::is_integral<I>::value && sizeof(I) <= 8, "round_to_odd_double takes integers");
-  bool negative = false;
-  if constexpr (std::is_signed<I>::value) negative = v < 0;
-  // Two's complement negation in uint64 is exact even for the most negative value.
-  std::uint64_t magnitude = negative ? std::uint64_t(0) - static_cast<std::uint64_t>(v)
-                                     : static_cast<std::uint64_t>(v);
-  int shift = 0;
-  while ((magnitude >> shift) >= (std::uint64_t(1) << 53)) ++shift;
-  const bool sticky = shift > 0 && (magnitude & ((std::uint64_t(1) << shift) - 1)) != 0;
-  magnitude = (magnitude >> shift) | (sticky ? 1u : 0u);
-  const double out = std::ldexp(static_cast<double>(magnitude), shift);
-  return negative ? -out : out;
-}
-
-/// `v` as a float rounded to odd, for the half-precision encoders.
-template <class S>
-float to_float_for_narrowing(S v) {
-  if constexpr (std::is_same<S, float>::value) {
-    return v;
-  } else if constexpr (std::is_same<S, bool>::value) {
-    return v ? 1.0f : 0.0f;
-  } else if constexpr (std::is_same<S, double>::value) {
-    return round_to_odd_float(v);
-  } else {
-    return round_to_odd_float(round_to_odd_double(v));
-  }
-}
-
-}  // namespace detail
 
 /// Collects named tensors and metadata and writes them as one safetensors file.
 class SafeTensorsWriter {
@@ -217,7 +131,7 @@ class SafeTensorsWriter {
       ok = std::fwrite(bytes.data(), 1, bytes.size(), file) == bytes.size();
     }
     ok = ok && std::fflush(file) == 0;
-#if MOH_SAFETENSORS_HAS_MMAP
+#if MOH_HAS_MMAP
     ok = ok && ::fsync(::fileno(file)) == 0;  // the data is on disk before the rename
 #endif
     const int write_error = errno;

@@ -12,9 +12,9 @@
 // Every shard is mapped and validated once, up front, and every tensor of the weight map must be
 // in the shard it names; tensors a shard holds beyond the weight map are not exposed.
 //
-// The read interface is SafeTensors's (contains, info, names, values, matrix, vector, tensor3,
-// mask, metadata, source), so code templated on the source reads either. Read errors name the
-// shard file the tensor lives in.
+// The read interface is TensorSource's, as for a single SafeTensors file (contains, info, names,
+// values, matrix, vector, tensor3, mask, metadata, source, file_of), so code that takes a
+// TensorSource reads either. Read errors name the shard file the tensor lives in.
 #pragma once
 
 #include <cstddef>
@@ -27,8 +27,10 @@
 #include <vector>
 
 #include "moh/error.hpp"
-#include "moh/safetensors.hpp"
-#include "moh/tensor.hpp"
+#include "moh/io/json.hpp"
+#include "moh/io/mapped_file.hpp"
+#include "moh/io/safetensors.hpp"
+#include "moh/io/tensor_source.hpp"
 
 namespace moh {
 
@@ -36,7 +38,7 @@ namespace moh {
 /// source() is the path given to open() (the index, or the single file); metadata() is the
 /// index's "metadata" (strings as they are, other values as their JSON text, e.g. total_size
 /// 1024 -> "1024"), or the single file's "__metadata__".
-class ShardedSafeTensors : public detail::CheckpointSource {
+class ShardedSafeTensors : public TensorSource {
  public:
   /// Opens an index (`path` ends in ".json") and all its shards, or one .safetensors file.
   static ShardedSafeTensors open(const std::string& path) {
@@ -44,80 +46,14 @@ class ShardedSafeTensors : public detail::CheckpointSource {
     const bool is_index = path.size() >= suffix.size() &&
                           path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0;
     ShardedSafeTensors out;
-    out.source_ = path;
     if (is_index) {
+      out.source_ = path;
       out.read_index(path);
     } else {
       out.shards_.push_back(SafeTensors::open(path));
-      for (const std::string& name : out.shards_[0].names()) out.where_.emplace(name, 0);
-      out.metadata_ = out.shards_[0].metadata();
+      static_cast<TensorSource&>(out) = out.shards_[0];
     }
     return out;
-  }
-
-  /// Tensor names of the weight map (or the single file) in sorted order.
-  std::vector<std::string> names() const {
-    std::vector<std::string> out;
-    out.reserve(where_.size());
-    for (const auto& entry : where_) out.push_back(entry.first);
-    return out;
-  }
-  bool contains(const std::string& name) const { return where_.count(name) != 0; }
-
-  /// The tensor's entry in its shard (offsets relative to that shard's data).
-  const TensorInfo& info(const std::string& name) const { return shard_of(name).info(name); }
-
-  /// The tensor's bytes in its shard's mapping (little-endian, row-major, possibly unaligned).
-  const std::uint8_t* raw(const std::string& name) const { return shard_of(name).raw(name); }
-
-  /// All elements converted to T, row-major (as SafeTensors::values).
-  template <class T>
-  std::vector<T> values(const std::string& name) const {
-    return shard_of(name).template values<T>(name);
-  }
-
-  /// As values(name), after checking that the shape is exactly `shape`.
-  template <class T>
-  std::vector<T> values(const std::string& name, const std::vector<std::int64_t>& shape) const {
-    return shard_of(name).template values<T>(name, shape);
-  }
-
-  /// A [rows, cols] tensor as a row-major matrix.
-  template <class T>
-  Matrix<T> matrix(const std::string& name, Index rows, Index cols) const {
-    return shard_of(name).template matrix<T>(name, rows, cols);
-  }
-
-  /// A [size] tensor as a column vector.
-  template <class T>
-  Vector<T> vector(const std::string& name, Index size) const {
-    return shard_of(name).template vector<T>(name, size);
-  }
-
-  /// Any rank-3 tensor, e.g. activations [batch, tokens, features].
-  template <class T>
-  Tensor3<T> tensor3(const std::string& name) const {
-    return shard_of(name).template tensor3<T>(name);
-  }
-
-  /// A rank-2 tensor of 0/1 values as a moh::Mask.
-  Mask mask(const std::string& name) const { return shard_of(name).mask(name); }
-
-  /// The shard that holds `name`; its source() is the shard's path.
-  const SafeTensors& shard_of(const std::string& name) const {
-    const auto it = where_.find(name);
-    if (it != where_.end()) return shards_[it->second];
-    std::string available;
-    std::size_t listed = 0;
-    for (const auto& entry : where_) {
-      if (listed == 12) {
-        available += ", ...";
-        break;
-      }
-      available += (listed++ ? ", " : "") + entry.first;
-    }
-    detail::fail("tensor '", name, "' missing in ", source_, ": expected one of [", available,
-                 "]");
   }
 
   /// The opened shards, in the order the weight map first names them.
@@ -177,6 +113,7 @@ class ShardedSafeTensors : public detail::CheckpointSource {
         const std::string file = (folder / fs::path(relative)).string();
         try {
           shards_.push_back(SafeTensors::open(file));
+          files_.push_back(shards_.back().source());
         } catch (const Error& e) {
           std::string reason = e.what();
           if (reason.rfind("moh: ", 0) == 0) reason.erase(0, 5);
@@ -188,7 +125,9 @@ class ShardedSafeTensors : public detail::CheckpointSource {
         bad_index("weight_map['", tensor, "']: expected the tensor in shard ",
                   shards_[found->second].source(), ", got a shard without it");
       }
-      where_.emplace(tensor, found->second);
+      Entry e = entry_in(shards_[found->second], tensor);
+      e.file = found->second;
+      tensors_.emplace(tensor, std::move(e));
     }
   }
 
@@ -218,8 +157,7 @@ class ShardedSafeTensors : public detail::CheckpointSource {
     return normal.generic_string();
   }
 
-  std::vector<SafeTensors> shards_;
-  std::map<std::string, std::size_t> where_;  // tensor name -> index into shards_
+  std::vector<SafeTensors> shards_;  // keep the mappings the entries point into alive
 };
 
 }  // namespace moh
