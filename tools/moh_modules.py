@@ -107,6 +107,19 @@ def rope(x, theta, positions):
 # --- MoH: Mixture-of-Head attention with the learned router ------------------------------------
 
 
+
+def _check_head_split(module, num_heads, shared_heads, active_routed_heads):
+    """Raises ValueError unless 0 <= S_h <= H, 0 <= K <= H - S_h and S_h + K >= 1."""
+    routed = num_heads - shared_heads
+    if not 0 <= shared_heads <= num_heads:
+        raise ValueError(f"{module}: shared_heads: expected 0..{num_heads}, got {shared_heads}")
+    if not 0 <= active_routed_heads <= routed:
+        raise ValueError(f"{module}: active_routed_heads: expected 0..{routed}, "
+                         f"got {active_routed_heads}")
+    if shared_heads + active_routed_heads < 1:
+        raise ValueError(f"{module}: no head is ever active: expected shared_heads + "
+                         "active_routed_heads >= 1, got 0")
+
 class MoHOutput(NamedTuple):
     y: torch.Tensor         # [B, T, D]
     gates: torch.Tensor     # [B, T, H], exactly 0 for heads a token does not use
@@ -129,14 +142,7 @@ class MoHAttention(nn.Module):
         if not (embed_dim > 0 and num_heads > 0 and head_dim > 0):
             raise ValueError(f"MoHAttention: sizes must be positive, got embed_dim={embed_dim}, "
                              f"num_heads={num_heads}, head_dim={head_dim}")
-        if not 0 <= shared_heads <= num_heads:
-            raise ValueError(f"MoHAttention: shared_heads: expected 0..{num_heads}, got {shared_heads}")
-        if not 0 <= active_routed_heads <= routed:
-            raise ValueError(f"MoHAttention: active_routed_heads: expected 0..{routed}, "
-                             f"got {active_routed_heads}")
-        if shared_heads + active_routed_heads < 1:
-            raise ValueError("MoHAttention: no head is ever active: expected shared_heads + "
-                             "active_routed_heads >= 1, got 0")
+        _check_head_split("MoHAttention", num_heads, shared_heads, active_routed_heads)
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         self.shared_heads, self.active_routed_heads = shared_heads, active_routed_heads
         width = num_heads * head_dim
@@ -285,7 +291,6 @@ class MoHLlamaAttention(nn.Module):
         super().__init__()
         head_dim = head_dim or embed_dim // num_heads
         num_kv_heads = num_kv_heads or num_heads
-        routed = num_heads - shared_heads
         if not (embed_dim > 0 and num_heads > 0 and head_dim > 0 and num_kv_heads > 0):
             raise ValueError(f"MoHLlamaAttention: sizes must be positive, got embed_dim={embed_dim}, "
                              f"num_heads={num_heads}, head_dim={head_dim}, num_kv_heads={num_kv_heads}")
@@ -294,14 +299,7 @@ class MoHLlamaAttention(nn.Module):
                              f"num_kv_heads, got {num_kv_heads}")
         if head_dim % 2:
             raise ValueError(f"MoHLlamaAttention: RoPE needs an even head_dim, got {head_dim}")
-        if not 0 <= shared_heads <= num_heads:
-            raise ValueError(f"MoHLlamaAttention: shared_heads: expected 0..{num_heads}, got {shared_heads}")
-        if not 0 <= active_routed_heads <= routed:
-            raise ValueError(f"MoHLlamaAttention: active_routed_heads: expected 0..{routed}, "
-                             f"got {active_routed_heads}")
-        if shared_heads + active_routed_heads < 1:
-            raise ValueError("MoHLlamaAttention: no head is ever active: expected shared_heads + "
-                             "active_routed_heads >= 1, got 0")
+        _check_head_split("MoHLlamaAttention", num_heads, shared_heads, active_routed_heads)
         if not (math.isfinite(rope_theta) and rope_theta > 0):
             raise ValueError(f"MoHLlamaAttention: rope_theta must be positive, got {rope_theta}")
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
