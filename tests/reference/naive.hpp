@@ -6,7 +6,8 @@
 // explicit loop. Sections of SEMANTICS.md are cited where a formula is implemented.
 //
 // The last section bridges moh's types (float or double) to these references; it is the only
-// part that knows about the library.
+// part that knows about the library. Random inputs, comparisons and tolerances are the shared
+// test helpers' (tests/test_helpers.hpp, namespace moh_test).
 #pragma once
 
 #include <Eigen/Core>
@@ -15,11 +16,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <random>
-#include <string>
 #include <vector>
 
 #include "moh/tensor.hpp"
+#include "test_helpers.hpp"
 
 namespace moh_ref {
 
@@ -162,7 +162,7 @@ struct MhaWeights {
   Mat W_out;  // [D, H d]
   Vec b_out;  // [D] or empty
   bool rope = false;
-  double rope_base = 10000.0;
+  double rope_theta = 10000.0;  // RoPE base (SEMANTICS 4)
 };
 
 /// Rows [first, first + count) of W (and b) as a Linear of their own.
@@ -202,12 +202,12 @@ inline Mat naive_mha_heads(const MhaWeights& w, const Mat& X, int B, int T, cons
       if (w.rope) {
         for (int t = 0; t < T; ++t) {
           std::vector<double> r = row(q, t);
-          rope(r.data(), d, o.position_offset + t, w.rope_base);
+          rope(r.data(), d, o.position_offset + t, w.rope_theta);
           for (int c = 0; c < d; ++c) q(t, c) = r[c];
         }
         for (int s = 0; s < S; ++s) {
           std::vector<double> r = row(k, s);
-          rope(r.data(), d, (cross ? 0 : o.position_offset) + s, w.rope_base);
+          rope(r.data(), d, (cross ? 0 : o.position_offset) + s, w.rope_theta);
           for (int c = 0; c < d; ++c) k(s, c) = r[c];
         }
       }
@@ -241,6 +241,16 @@ struct MoHGates {
   double load_balance_loss = 0.0;
 };
 
+/// A record for N tokens, H heads (E of them routed) with every gate and probability 0 and no
+/// head active yet.
+inline MoHGates no_gates(int N, int H, int E) {
+  MoHGates g;
+  g.gates = Mat::Zero(N, H);
+  g.probs = Mat::Zero(N, E);
+  g.active.assign(N, std::vector<bool>(H, false));
+  return g;
+}
+
 /// L_b = E sum_i f_i P_i over the routed heads (SEMANTICS 3), plus head counts.
 inline void finish_gates(MoHGates& g, int H, int S) {
   const int N = static_cast<int>(g.active.size()), E = H - S;
@@ -269,10 +279,7 @@ inline MoHGates naive_moh_gates(const Mat& X, int H, int S, int K, const Mat& Wr
   const Mat lr = K > 0 ? linear(X, Wr, none) : Mat(N, 0);
   const Mat ls = S > 1 ? linear(X, Ws, none) : Mat(N, 0);
   const Mat lm = (S > 0 && K > 0) ? linear(X, Wm, none) : Mat(N, 0);
-  MoHGates g;
-  g.gates = Mat::Zero(N, H);
-  g.probs = Mat::Zero(N, E);
-  g.active.assign(N, std::vector<bool>(H, false));
+  MoHGates g = no_gates(N, H, E);
   for (int n = 0; n < N; ++n) {
     // Step 1: routed gates g_r = K p_kept / max(sum p_kept, eps).
     std::vector<double> gr(E, 0.0);
@@ -311,10 +318,7 @@ inline MoHGates naive_moh_gates(const Mat& X, int H, int S, int K, const Mat& Wr
 /// Query-norm router (SEMANTICS 4). Q [N, H d] queries before RoPE. Gates are 0/1.
 inline MoHGates naive_moh_gates_query_norm(const Mat& Q, int H, int d, int S, int K) {
   const int N = static_cast<int>(Q.rows()), E = H - S;
-  MoHGates g;
-  g.gates = Mat::Zero(N, H);
-  g.probs = Mat::Zero(N, E);
-  g.active.assign(N, std::vector<bool>(H, false));
+  MoHGates g = no_gates(N, H, E);
   for (int n = 0; n < N; ++n) {
     std::vector<double> l(E, 0.0);
     for (int i = 0; i < E; ++i) {
@@ -345,15 +349,27 @@ inline MoHGates naive_moh_gates_query_norm(const Mat& Q, int H, int d, int S, in
   return g;
 }
 
-/// MoH output (SEMANTICS 3.4): every head computed densely, scaled by its gate, projected.
-/// gates [B*T, H].
-inline Mat naive_moh(const MhaWeights& w, const Mat& gates, const Mat& X, int B, int T,
-                     const AttnOptions& o) {
-  Mat O = naive_mha_heads(w, X, B, T, X, T, o);
+/// concat_h (g_h o_h) projected (SEMANTICS 3.4): heads O [B*T, H d] scaled by gates [B*T, H].
+inline Mat naive_gated_output(const MhaWeights& w, const Mat& gates, Mat O) {
   for (int n = 0; n < O.rows(); ++n)
     for (int h = 0; h < w.H; ++h)
       for (int c = 0; c < w.d; ++c) O(n, h * w.d + c) *= gates(n, h);
   return linear(O, w.W_out, w.b_out);
+}
+
+/// MoH output (SEMANTICS 3.4): every head computed densely, scaled by its gate, projected.
+/// gates [B*T, H].
+inline Mat naive_moh(const MhaWeights& w, const Mat& gates, const Mat& X, int B, int T,
+                     const AttnOptions& o) {
+  return naive_gated_output(w, gates, naive_mha_heads(w, X, B, T, X, T, o));
+}
+
+/// MoH cross-attention (SEMANTICS 2 and 3): queries and gates from X [B*T, D] (gates [B*T, H],
+/// routed on X), keys and values from the memory M [B*S, D]; RoPE positions as in
+/// naive_mha_heads' cross-attention (queries offset + t, keys s).
+inline Mat naive_moh_cross(const MhaWeights& w, const Mat& gates, const Mat& X, int B, int T,
+                           const Mat& M, int S, const AttnOptions& o) {
+  return naive_gated_output(w, gates, naive_mha_heads(w, X, B, T, M, S, o, true));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -489,11 +505,7 @@ Vec to_ref(const moh::Vector<T>& v) {
 /// A [B, T, F] tensor as [B*T, F] rows.
 template <class T>
 Mat to_ref(const moh::Tensor3<T>& t) {
-  const Eigen::Index rows = t.dimension(0) * t.dimension(1), cols = t.dimension(2);
-  Mat m(rows, cols);
-  for (Eigen::Index r = 0; r < rows; ++r)
-    for (Eigen::Index c = 0; c < cols; ++c) m(r, c) = static_cast<double>(t.data()[r * cols + c]);
-  return m;
+  return moh_test::rows_of(t);
 }
 inline PadMask to_ref(const moh::Mask& m) {
   PadMask p(m.dimension(0), std::vector<bool>(m.dimension(1)));
@@ -501,76 +513,5 @@ inline PadMask to_ref(const moh::Mask& m) {
     for (Eigen::Index s = 0; s < m.dimension(1); ++s) p[b][s] = m(b, s);
   return p;
 }
-
-/// Seeded uniform(-scale, scale) values.
-template <class T>
-moh::Tensor3<T> random_tensor(Eigen::Index B, Eigen::Index Tn, Eigen::Index F, std::uint64_t seed,
-                              double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> dist(-scale, scale);
-  moh::Tensor3<T> t(B, Tn, F);
-  for (Eigen::Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(dist(rng));
-  return t;
-}
-template <class T>
-moh::Matrix<T> random_matrix(Eigen::Index rows, Eigen::Index cols, std::uint64_t seed,
-                             double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> dist(-scale, scale);
-  moh::Matrix<T> m(rows, cols);
-  for (Eigen::Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(dist(rng));
-  return m;
-}
-
-/// A [B, S] padding mask, all false.
-inline moh::Mask no_padding(Eigen::Index B, Eigen::Index S) {
-  moh::Mask m(B, S);
-  m.setConstant(false);
-  return m;
-}
-
-/// max |got - ref| / max |ref| (the denominator floored at 1e-30): a relative error for the whole
-/// output, so that tiny entries are not held to a per-element relative bound.
-inline double relative_error(const Mat& got, const Mat& ref) {
-  if (got.rows() != ref.rows() || got.cols() != ref.cols())
-    return std::numeric_limits<double>::infinity();
-  double diff = 0.0, scale = 0.0;
-  for (Eigen::Index r = 0; r < ref.rows(); ++r)
-    for (Eigen::Index c = 0; c < ref.cols(); ++c) {
-      diff = std::max(diff, std::abs(got(r, c) - ref(r, c)));
-      scale = std::max(scale, std::abs(ref(r, c)));
-    }
-  if (std::isnan(diff)) return std::numeric_limits<double>::infinity();
-  return diff / std::max(scale, 1e-30);
-}
-template <class T>
-double relative_error(const moh::Tensor3<T>& got, const Mat& ref) {
-  return relative_error(to_ref(got), ref);
-}
-
-/// The message of the moh::Error that f() throws, or "<no moh::Error>" when it throws none.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const moh::Error& e) {
-    return e.what();
-  }
-  return "<no moh::Error>";
-}
-
-/// Tolerances of a comparison against the double reference.
-template <class T>
-struct Tol;
-template <>
-struct Tol<float> {
-  static constexpr double rel = 1e-4;    // vs the double reference
-  static constexpr double exact = 1e-5;  // two float computations that must agree (MoH == MHA)
-};
-template <>
-struct Tol<double> {
-  static constexpr double rel = 1e-10;
-  static constexpr double exact = 1e-12;
-};
 
 }  // namespace moh_ref

@@ -1,40 +1,21 @@
-// Naive loop references for the building blocks (linear, softmax, scaled dot-product attention)
-// and small helpers shared by the block tests. Everything accumulates in double with plain loops,
-// written straight from SEMANTICS.md section 1, so it shares no code with the library.
+// Naive loop references for the building blocks (linear, scaled dot-product attention). Everything
+// accumulates in double with plain loops, written straight from SEMANTICS.md section 1, so it
+// shares no code with the library. The shared test helpers (random inputs, max_abs_diff,
+// scale_of, ...) come from test_helpers.hpp, included here for the tests that compare against
+// these references.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <limits>
-#include <random>
 #include <vector>
 
 #include "moh/tensor.hpp"
+#include "test_helpers.hpp"
 
 namespace moh_test {
 
 using moh::Index;
-
-/// Row-major [rows, cols] matrix of uniform values in [-scale, scale] from `seed`.
-template <class T>
-moh::Matrix<T> random_matrix(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> dist(-scale, scale);
-  moh::Matrix<T> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(dist(rng));
-  return m;
-}
-
-/// [B, T, D] tensor of uniform values in [-scale, scale] from `seed`.
-template <class T>
-moh::Tensor3<T> random_tensor(Index B, Index T_, Index D, std::uint64_t seed, double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> dist(-scale, scale);
-  moh::Tensor3<T> t(B, T_, D);
-  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(dist(rng));
-  return t;
-}
 
 /// Y[n, out] = X[n, in] W[out, in]^T + b[out] (b may be empty), in double loops.
 template <class MX, class MW>
@@ -97,27 +78,6 @@ moh::Matrix<double> naive_attention(const MQ& Q, const MK& K, const MV& V,
     }
   }
   return O;
-}
-
-/// max |a - b| over two equally sized matrix-likes.
-template <class MA, class MB>
-double max_abs_diff(const MA& a, const MB& b) {
-  double m = 0;
-  for (Index r = 0; r < a.rows(); ++r)
-    for (Index c = 0; c < a.cols(); ++c) {
-      const double d = std::abs(static_cast<double>(a(r, c)) - static_cast<double>(b(r, c)));
-      m = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(m, d);
-    }
-  return m;
-}
-
-/// max(1, max |a|).
-template <class MA>
-double scale_of(const MA& a) {
-  double m = 1.0;
-  for (Index r = 0; r < a.rows(); ++r)
-    for (Index c = 0; c < a.cols(); ++c) m = std::max(m, std::abs(static_cast<double>(a(r, c))));
-  return m;
 }
 
 }  // namespace moh_test

@@ -1,0 +1,441 @@
+// Tests for moh/ops/attention_kernel.hpp: the tiled online-softmax kernel against a naive
+// softmax(Q K^T * scale + mask) V (reference/naive_blocks.hpp) over key counts and query counts
+// that cross the 256-key and 64-query blocks, odd head sizes, causal masks with and without a
+// cache-style shift, key padding, rows that see nothing, gathered query positions, strided
+// buffers, large scores; the same bits with and without a Workspace (reused across sizes); and
+// the size and stride checks (moh::Error).
+#include "moh/ops/attention_kernel.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "reference/naive_blocks.hpp"
+#include "test_helpers.hpp"
+
+namespace {
+
+using moh::Index;
+using moh::Matrix;
+using moh_test::BitEqual;
+using moh_test::error_of;
+using moh_test::Mentions;
+
+/// One workspace shared by every run_case of the sweeps, so that it is reused across head sizes,
+/// key counts and query counts (growing and shrinking) in both scalar types.
+moh::Workspace& shared_workspace() {
+  static moh::Workspace ws;
+  return ws;
+}
+
+const Index kKeys[] = {1, 3, 17, 255, 256, 257, 600};
+const Index kQueries[] = {1, 3, 64, 65, 130};
+const Index kHeadDims[] = {3, 5, 12, 64};
+
+struct Case {
+  Index n_q, S, d;
+  bool causal = false;
+  Index shift = 0;
+  std::vector<bool> padding = {};     // [S] or empty
+  std::vector<Index> positions = {};  // [n_q] or empty (= 0, 1, ...)
+  double scale = 0;                   // 0 = 1/sqrt(d)
+};
+
+/// Runs moh::attention on packed [n_q, d] / [S, d] inputs and the naive reference; returns
+/// max |kernel - naive| / max(1, max |naive|). `out_copy` receives the kernel's output. The call
+/// is made twice, without a workspace and with the shared one: the two must agree bitwise.
+template <class T>
+double run_case(const Case& c, std::uint64_t seed, Matrix<T>* out_copy = nullptr,
+                double value_scale = 1.0) {
+  Matrix<T> Q = moh_test::random_matrix<T>(c.n_q, c.d, seed, value_scale);
+  Matrix<T> K = moh_test::random_matrix<T>(c.S, c.d, seed + 1, value_scale);
+  if (value_scale > 1) {
+    // Integer-valued queries and keys: float scores are then exact, so only the kernel's
+    // softmax and accumulation differ from the double reference.
+    Q = Q.array().round().matrix();
+    K = K.array().round().matrix();
+  }
+  const Matrix<T> V = moh_test::random_matrix<T>(c.S, c.d, seed + 2);
+  const double scale = c.scale != 0 ? c.scale : 1.0 / std::sqrt(static_cast<double>(c.d));
+  std::vector<Index> pos = c.positions;
+  if (pos.empty())
+    for (Index i = 0; i < c.n_q; ++i) pos.push_back(i);
+  std::unique_ptr<bool[]> pad(new bool[static_cast<std::size_t>(c.S)]);
+  for (Index j = 0; j < c.S; ++j) pad[j] = !c.padding.empty() && c.padding[j];
+
+  moh::AttentionMasking mask;
+  mask.causal = c.causal;
+  mask.causal_shift = c.shift;
+  mask.key_padding = c.padding.empty() ? nullptr : pad.get();
+  moh::QueryPositions qp;
+  if (!c.positions.empty()) qp.list = c.positions.data();
+  Matrix<T> O = Matrix<T>::Constant(c.n_q, c.d, T(123));
+  Matrix<T> O_ws = Matrix<T>::Constant(c.n_q, c.d, T(-7));
+  const moh::AttentionQueries<T> queries{Q.data(), c.d, c.n_q, c.d, static_cast<T>(scale), qp};
+  const moh::AttentionKeysValues<T> kv{K.data(), c.d, V.data(), c.d, c.S};
+  moh::attention<T>(queries, kv, mask, moh::AttentionOutput<T>{O.data(), c.d});
+  moh::attention<T>(queries, kv, mask, moh::AttentionOutput<T>{O_ws.data(), c.d},
+                    &shared_workspace());
+  EXPECT_TRUE(BitEqual(O_ws, O)) << "with and without a workspace: n_q " << c.n_q << " S " << c.S
+                                 << " d " << c.d;
+  moh_test::NaiveMask nm{c.causal, c.shift, c.padding};
+  const Matrix<double> want = moh_test::naive_attention(Q, K, V, pos, scale, nm);
+  if (out_copy) *out_copy = O;
+  return moh_test::max_abs_diff(O, want) / moh_test::scale_of(want);
+}
+
+std::vector<bool> random_padding(Index S, std::uint64_t seed, double p) {
+  std::mt19937_64 rng(seed);
+  std::bernoulli_distribution pad(p);
+  std::vector<bool> out(static_cast<std::size_t>(S));
+  for (Index j = 0; j < S; ++j) out[j] = pad(rng);
+  return out;
+}
+
+constexpr double kFloatTol = 2e-6;
+constexpr double kDoubleTol = 1e-13;
+
+TEST(AttentionKernel, SweepNoMaskFloat) {
+  for (Index S : kKeys)
+    for (Index n_q : kQueries)
+      for (Index d : kHeadDims) {
+        Case c{n_q, S, d};
+        EXPECT_LE(run_case<float>(c, 100 + S * 7 + n_q * 3 + d), kFloatTol)
+            << "S " << S << " n_q " << n_q << " d " << d;
+      }
+}
+
+TEST(AttentionKernel, SweepCausalSelfAndCacheShiftFloat) {
+  // Shift 0: queries are the first n_q keys' positions (self-attention when S = n_q). Shift
+  // S - n_q: bottom-right alignment, the last query sees every key (a KV cache); negative when
+  // n_q > S, so the first queries see nothing (zeros).
+  for (Index S : kKeys)
+    for (Index n_q : kQueries)
+      for (Index d : {Index(3), Index(12)}) {
+        for (Index shift : {Index(0), S - n_q, Index(5)}) {
+          Case c{n_q, S, d, true, shift};
+          EXPECT_LE(run_case<float>(c, 200 + S + n_q + d), kFloatTol)
+              << "S " << S << " n_q " << n_q << " d " << d << " shift " << shift;
+        }
+      }
+}
+
+TEST(AttentionKernel, SweepKeyPaddingFloat) {
+  for (Index S : kKeys)
+    for (Index n_q : {Index(1), Index(65), Index(130)})
+      for (Index d : {Index(5), Index(64)})
+        for (bool causal : {false, true}) {
+          Case c{n_q, S, d, causal, causal ? S - n_q : 0, random_padding(S, S + d, 0.3)};
+          EXPECT_LE(run_case<float>(c, 300 + S + n_q + d), kFloatTol)
+              << "S " << S << " n_q " << n_q << " d " << d << " causal " << causal;
+        }
+}
+
+TEST(AttentionKernel, DoubleAgreesToRounding) {
+  for (Index S : {Index(3), Index(256), Index(257), Index(600)})
+    for (Index n_q : {Index(1), Index(64), Index(65)})
+      for (Index d : {Index(5), Index(12)}) {
+        Case plain{n_q, S, d};
+        EXPECT_LE(run_case<double>(plain, 400 + S + d), kDoubleTol) << S << " " << n_q << " " << d;
+        Case masked{n_q, S, d, true, S - n_q, random_padding(S, 9 + S, 0.25)};
+        EXPECT_LE(run_case<double>(masked, 500 + S + d), kDoubleTol) << S << " " << n_q << " " << d;
+      }
+}
+
+TEST(AttentionKernel, RowWithNoVisibleKeyIsExactZero) {
+  // All keys padding: every row is zeros (not NaN, not the 123 the buffer held).
+  for (Index S : {Index(1), Index(300)}) {
+    Case c{5, S, 7, false, 0, std::vector<bool>(static_cast<std::size_t>(S), true)};
+    Matrix<float> O;
+    EXPECT_EQ(run_case<float>(c, 1, &O), 0.0);
+    for (Index i = 0; i < O.size(); ++i) ASSERT_EQ(O.data()[i], 0.0f) << "S " << S;
+  }
+  // Causal with shift -3 (3 more queries than keys): queries 0..2 see nothing, query 3 sees key 0.
+  Case c{70, 67, 4, true, -3};
+  Matrix<double> O;
+  EXPECT_LE(run_case<double>(c, 2, &O), kDoubleTol);
+  for (Index i = 0; i < 3; ++i)
+    for (Index j = 0; j < 4; ++j) EXPECT_EQ(O(i, j), 0.0) << i;
+  EXPECT_NE(O.row(3).norm(), 0.0);
+  // Padding that hides exactly the keys a causal row could see: query 0 (sees key 0 only) with
+  // key 0 padded outputs zeros, query 1 does not.
+  std::vector<bool> pad(300, false);
+  pad[0] = true;
+  Case p{130, 300, 6, true, 0, pad};
+  Matrix<float> P;
+  EXPECT_LE(run_case<float>(p, 3, &P), kFloatTol);
+  for (Index j = 0; j < 6; ++j) EXPECT_EQ(P(0, j), 0.0f);
+  EXPECT_NE(P.row(1).norm(), 0.0f);
+}
+
+TEST(AttentionKernel, PaddingInLaterKeyBlockOnly) {
+  // A whole 256-key block hidden for every query, with earlier and later blocks visible: the
+  // online softmax must carry its running max/sum across the hidden block.
+  std::vector<bool> pad(600, false);
+  for (Index j = 256; j < 512; ++j) pad[j] = true;
+  Case c{65, 600, 12, false, 0, pad};
+  EXPECT_LE(run_case<float>(c, 77), kFloatTol);
+  Case causal{65, 600, 12, true, 600 - 65, pad};
+  EXPECT_LE(run_case<double>(causal, 78), kDoubleTol);
+}
+
+TEST(AttentionKernel, GatheredQueryPositions) {
+  // Queries of a routed head: a subset of the tokens of a 300-token sequence, at ascending
+  // positions given as a list; causal shift 0 (self) and 40 (40 cached keys before them).
+  const Index T = 300;
+  std::mt19937_64 rng(5);
+  std::bernoulli_distribution keep(0.45);
+  std::vector<Index> positions;
+  for (Index t = 0; t < T; ++t)
+    if (keep(rng) || t == 0 || t == 63 || t == 64 || t == T - 1) positions.push_back(t);
+  ASSERT_GT(positions.size(), 64u);  // more than one query block
+  for (Index shift : {Index(0), Index(40)}) {
+    Case c{static_cast<Index>(positions.size()), T + shift, 6, true, shift};
+    c.positions = positions;
+    EXPECT_LE(run_case<float>(c, 600 + shift), kFloatTol) << "shift " << shift;
+    EXPECT_LE(run_case<double>(c, 700 + shift), kDoubleTol) << "shift " << shift;
+  }
+  // A short list of far-apart positions, with padding as well.
+  Case few{5, 600, 5, true, 0, random_padding(600, 4, 0.2)};
+  few.positions = {0, 2, 255, 256, 599};
+  EXPECT_LE(run_case<double>(few, 800), kDoubleTol);
+  // Gathered rows equal the same rows of the full causal computation.
+  Case full{T, T, 6, true, 0};
+  Matrix<double> all;
+  run_case<double>(full, 900, &all);
+  const Matrix<double> Qall = moh_test::random_matrix<double>(T, 6, 900);
+  const Matrix<double> K = moh_test::random_matrix<double>(T, 6, 901);
+  const Matrix<double> V = moh_test::random_matrix<double>(T, 6, 902);
+  Matrix<double> Qg(static_cast<Index>(positions.size()), 6), Og(Qg.rows(), 6);
+  for (Index i = 0; i < Qg.rows(); ++i) Qg.row(i) = Qall.row(positions[i]);
+  moh::attention<double>(
+      moh::AttentionQueries<double>{Qg.data(), 6, Qg.rows(), 6, 1.0 / std::sqrt(6.0),
+                                    moh::QueryPositions{positions.data(), 0}},
+      moh::AttentionKeysValues<double>{K.data(), 6, V.data(), 6, T},
+      moh::AttentionMasking{true, 0, nullptr}, moh::AttentionOutput<double>{Og.data(), 6});
+  for (Index i = 0; i < Qg.rows(); ++i)
+    EXPECT_LE((Og.row(i) - all.row(positions[i])).cwiseAbs().maxCoeff(), kDoubleTol) << i;
+}
+
+TEST(AttentionKernel, QueryPositionsFirstOffset) {
+  // QueryPositions{nullptr, first}: queries at first, first + 1, ... (a later query block).
+  const Index S = 200, n_q = 70, first = 100, d = 8;
+  const Matrix<double> Q = moh_test::random_matrix<double>(n_q, d, 31);
+  const Matrix<double> K = moh_test::random_matrix<double>(S, d, 32);
+  const Matrix<double> V = moh_test::random_matrix<double>(S, d, 33);
+  Matrix<double> O(n_q, d);
+  moh::attention<double>(
+      moh::AttentionQueries<double>{Q.data(), d, n_q, d, 0.25, moh::QueryPositions{nullptr, first}},
+      moh::AttentionKeysValues<double>{K.data(), d, V.data(), d, S},
+      moh::AttentionMasking{true, 0, nullptr}, moh::AttentionOutput<double>{O.data(), d});
+  std::vector<Index> pos;
+  for (Index i = 0; i < n_q; ++i) pos.push_back(first + i);
+  const Matrix<double> want =
+      moh_test::naive_attention(Q, K, V, pos, 0.25, moh_test::NaiveMask{true, 0, {}});
+  EXPECT_LE(moh_test::max_abs_diff(O, want), kDoubleTol);
+}
+
+TEST(AttentionKernel, StridedBuffers) {
+  // Q, K, V and O live inside wider row-major buffers (like heads inside a [tokens, H*d] or
+  // [tokens, 3*H*d] matrix); columns outside the views stay untouched.
+  const Index n_q = 70, S = 260, d = 5;
+  const Index q_stride = 13, kv_stride = 3 * d + 2, o_stride = 11;
+  Matrix<float> QB = moh_test::random_matrix<float>(n_q, q_stride, 41);
+  Matrix<float> KVB = moh_test::random_matrix<float>(S, kv_stride, 42);
+  Matrix<float> OB = Matrix<float>::Constant(n_q, o_stride, -5.0f);
+  const std::vector<bool> pad = random_padding(S, 43, 0.2);
+  std::unique_ptr<bool[]> padb(new bool[S]);
+  for (Index j = 0; j < S; ++j) padb[j] = pad[j];
+  const float* q = QB.data() + 4;           // columns 4..8
+  const float* k = KVB.data() + 1;          // columns 1..5
+  const float* v = KVB.data() + 2 * d + 1;  // columns 11..15
+  moh::attention<float>(
+      moh::AttentionQueries<float>{q, q_stride, n_q, d, 0.4f, moh::QueryPositions{}},
+      moh::AttentionKeysValues<float>{k, kv_stride, v, kv_stride, S},
+      moh::AttentionMasking{true, S - n_q, padb.get()},
+      moh::AttentionOutput<float>{OB.data() + 3, o_stride});
+  const Matrix<float> Q = QB.middleCols(4, d), K = KVB.middleCols(1, d),
+                      V = KVB.middleCols(2 * d + 1, d);
+  std::vector<Index> pos;
+  for (Index i = 0; i < n_q; ++i) pos.push_back(i);
+  const Matrix<double> want =
+      moh_test::naive_attention(Q, K, V, pos, 0.4, moh_test::NaiveMask{true, S - n_q, pad});
+  EXPECT_LE(moh_test::max_abs_diff(OB.middleCols(3, d), want), kFloatTol);
+  for (Index i = 0; i < n_q; ++i)
+    for (Index c = 0; c < o_stride; ++c) {
+      if (c < 3 || c >= 3 + d) {
+        ASSERT_EQ(OB(i, c), -5.0f) << i << "," << c;
+      }
+    }
+}
+
+TEST(AttentionKernel, LargeScoresStayFinite) {
+  // Scores of several thousand (integer |q|, |k| up to 40 with d = 12 and scale 1: |q.k| up to
+  // 19200, typically ~2000) would overflow exp() without the running max; the largest scores sit
+  // in different key blocks for different rows, so the online rescaling is exercised.
+  Case c{65, 600, 12, false, 0, {}, {}, 1.0};
+  Matrix<float> O;
+  const double err = run_case<float>(c, 55, &O, 40.0);
+  EXPECT_TRUE(O.allFinite());
+  EXPECT_LE(err, 1e-5);
+  Case causal{130, 600, 12, true, 470, {}, {}, 1.0};
+  EXPECT_LE(run_case<double>(causal, 56, nullptr, 40.0), 1e-12);
+}
+
+TEST(AttentionKernel, WorkspaceReuseAcrossHeadSizes) {
+  // One workspace reused for d = 64, then d = 3, 17 and 64 again gives what a fresh workspace
+  // and no workspace give, bitwise; a repeated call does not grow it, and it holds nothing in use
+  // between calls.
+  moh::Workspace shared;
+  for (Index d : {Index(64), Index(3), Index(17), Index(64)}) {
+    const Index n_q = 65, S = 257;
+    const Matrix<float> Q = moh_test::random_matrix<float>(n_q, d, d);
+    const Matrix<float> K = moh_test::random_matrix<float>(S, d, d + 1);
+    const Matrix<float> V = moh_test::random_matrix<float>(S, d, d + 2);
+    Matrix<float> A(n_q, d), B(n_q, d), C(n_q, d);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const moh::AttentionQueries<float> queries{Q.data(), d, n_q, d, scale, moh::QueryPositions{}};
+    const moh::AttentionKeysValues<float> kv{K.data(), d, V.data(), d, S};
+    const moh::AttentionMasking mask{true, S - n_q, nullptr};
+    moh::attention<float>(queries, kv, mask, moh::AttentionOutput<float>{A.data(), d}, &shared);
+    moh::Workspace fresh;
+    moh::attention<float>(queries, kv, mask, moh::AttentionOutput<float>{B.data(), d}, &fresh);
+    moh::attention<float>(queries, kv, mask, moh::AttentionOutput<float>{C.data(), d});
+    EXPECT_TRUE(BitEqual(A, B)) << "d " << d;
+    EXPECT_TRUE(BitEqual(A, C)) << "d " << d;
+    EXPECT_GT(fresh.bytes(), 0u);
+    EXPECT_EQ(shared.call().in_use(), 0u);
+    const std::size_t warm = shared.bytes();
+    moh::attention<float>(queries, kv, mask, moh::AttentionOutput<float>{A.data(), d}, &shared);
+    EXPECT_EQ(shared.bytes(), warm) << "d " << d;
+    EXPECT_TRUE(BitEqual(A, C)) << "d " << d;
+  }
+  shared.release();
+  EXPECT_EQ(shared.bytes(), 0u);
+}
+
+TEST(AttentionKernel, SingleVisibleKeyCopiesItsValue) {
+  // With exactly one visible key the softmax is 1 on it and the output is that value row, exactly.
+  const Index S = 300, d = 7;
+  const Matrix<float> Q = moh_test::random_matrix<float>(1, d, 61);
+  const Matrix<float> K = moh_test::random_matrix<float>(S, d, 62);
+  const Matrix<float> V = moh_test::random_matrix<float>(S, d, 63);
+  std::unique_ptr<bool[]> pad(new bool[S]);
+  for (Index j = 0; j < S; ++j) pad[j] = j != 280;
+  Matrix<float> O(1, d);
+  moh::attention<float>(moh::AttentionQueries<float>{Q.data(), d, 1, d, 0.3f, moh::QueryPositions{}},
+                        moh::AttentionKeysValues<float>{K.data(), d, V.data(), d, S},
+                        moh::AttentionMasking{false, 0, pad.get()},
+                        moh::AttentionOutput<float>{O.data(), d});
+  EXPECT_EQ(O, V.row(280));
+}
+
+TEST(AttentionKernel, NoKeysGivesZerosAndNoQueriesWritesNothing) {
+  // S = 0: nothing to see, every row is zeros (the naive reference says the same); the keys and
+  // values may then be null with any stride. n_q = 0: nothing is read or written.
+  for (bool causal : {false, true}) {
+    Case c{5, 0, 7, causal, causal ? -5 : 0};
+    Matrix<double> O;
+    EXPECT_EQ(run_case<double>(c, 71, &O), 0.0);
+    EXPECT_EQ(O, Matrix<double>::Zero(5, 7));
+  }
+  const Matrix<float> Q = moh_test::random_matrix<float>(3, 4, 72);
+  Matrix<float> O = Matrix<float>::Constant(3, 4, 9.0f);
+  moh::attention<float>(moh::AttentionQueries<float>{Q.data(), 4, 3, 4, 0.5f, moh::QueryPositions{}},
+                        moh::AttentionKeysValues<float>{nullptr, 0, nullptr, 0, 0},
+                        moh::AttentionMasking{}, moh::AttentionOutput<float>{O.data(), 4});
+  EXPECT_EQ(O, Matrix<float>::Zero(3, 4));
+  const Matrix<float> K = moh_test::random_matrix<float>(6, 4, 73);
+  moh::Workspace ws;
+  EXPECT_NO_THROW(moh::attention<float>(
+      moh::AttentionQueries<float>{nullptr, 4, 0, 4, 0.5f, moh::QueryPositions{}},
+      moh::AttentionKeysValues<float>{K.data(), 4, K.data(), 4, 6}, moh::AttentionMasking{true, 0, nullptr},
+      moh::AttentionOutput<float>{nullptr, 4}, &ws));
+}
+
+// Sizes, pointers and strides are checked in every build: a moh::Error that names what was
+// expected and what was given, before anything is written (the output keeps its values), and a
+// workspace passed to a call that failed stays usable.
+TEST(AttentionKernel, ChecksSizesPointersAndStrides) {
+  const Index n_q = 3, S = 5, d = 4;
+  const Matrix<float> Q = moh_test::random_matrix<float>(n_q, d, 81);
+  const Matrix<float> K = moh_test::random_matrix<float>(S, d, 82);
+  const Matrix<float> V = moh_test::random_matrix<float>(S, d, 83);
+  Matrix<float> O = Matrix<float>::Constant(n_q, d, 4.0f);
+  const Matrix<float> before = O;
+  const moh::AttentionQueries<float> q{Q.data(), d, n_q, d, 0.5f, moh::QueryPositions{}};
+  const moh::AttentionKeysValues<float> kv{K.data(), d, V.data(), d, S};
+  const moh::AttentionOutput<float> out{O.data(), d};
+  const moh::AttentionMasking mask{true, S - n_q, nullptr};
+  moh::Workspace ws;
+  for (moh::Workspace* w : {static_cast<moh::Workspace*>(nullptr), &ws}) {
+    auto message = [&](moh::AttentionQueries<float> q2, moh::AttentionKeysValues<float> kv2,
+                       moh::AttentionOutput<float> out2) {
+      return error_of([&] { moh::attention<float>(q2, kv2, mask, out2, w); });
+    };
+    moh::AttentionQueries<float> bad = q;
+    bad.head_dim = 0;
+    EXPECT_TRUE(Mentions(message(bad, kv, out),
+                         {"attention: sizes", "head_dim > 0", "got 3, 0, 5"}));
+    bad.head_dim = -4;
+    EXPECT_TRUE(Mentions(message(bad, kv, out), {"attention: sizes", "got 3, -4, 5"}));
+    bad = q;
+    bad.count = -1;
+    EXPECT_TRUE(Mentions(message(bad, kv, out), {"attention: sizes", "queries >= 0", "got -1, 4, 5"}));
+    moh::AttentionKeysValues<float> bad_kv = kv;
+    bad_kv.count = -2;
+    EXPECT_TRUE(Mentions(message(q, bad_kv, out), {"attention: sizes", "keys >= 0", "got 3, 4, -2"}));
+
+    bad = q;
+    bad.data = nullptr;
+    EXPECT_TRUE(Mentions(message(bad, kv, out),
+                         {"attention", "query and output data for 3 queries", "null pointer"}));
+    EXPECT_TRUE(Mentions(message(q, kv, moh::AttentionOutput<float>{nullptr, d}),
+                         {"attention", "query and output data for 3 queries", "null pointer"}));
+    bad_kv = kv;
+    bad_kv.keys = nullptr;
+    EXPECT_TRUE(Mentions(message(q, bad_kv, out),
+                         {"attention", "key and value data for 5 keys", "null pointer"}));
+    bad_kv = kv;
+    bad_kv.values = nullptr;
+    EXPECT_TRUE(Mentions(message(q, bad_kv, out),
+                         {"attention", "key and value data for 5 keys", "null pointer"}));
+
+    // A row stride shorter than a head, for each of the four buffers.
+    bad = q;
+    bad.stride = d - 1;
+    EXPECT_TRUE(Mentions(message(bad, kv, out),
+                         {"attention: row strides must hold a head", "expected >= 4",
+                          "got queries 3, keys 4, values 4, output 4"}));
+    bad_kv = kv;
+    bad_kv.key_stride = 2;
+    EXPECT_TRUE(Mentions(message(q, bad_kv, out), {"row strides", "got queries 4, keys 2, values 4, output 4"}));
+    bad_kv = kv;
+    bad_kv.value_stride = 0;
+    EXPECT_TRUE(Mentions(message(q, bad_kv, out), {"row strides", "got queries 4, keys 4, values 0, output 4"}));
+    EXPECT_TRUE(Mentions(message(q, kv, moh::AttentionOutput<float>{O.data(), 3}),
+                         {"row strides", "got queries 4, keys 4, values 4, output 3"}));
+    EXPECT_TRUE(BitEqual(O, before));
+
+    // The error is a moh::Error (a std::invalid_argument) ...
+    bad = q;
+    bad.stride = 1;
+    EXPECT_THROW(moh::attention<float>(bad, kv, mask, out, w), std::invalid_argument);
+    // ... and the same call with valid sizes runs, also on the workspace a failed call was given.
+    Matrix<float> good(n_q, d), plain(n_q, d);
+    EXPECT_NO_THROW(moh::attention<float>(q, kv, mask, moh::AttentionOutput<float>{good.data(), d}, w));
+    moh::attention<float>(q, kv, mask, moh::AttentionOutput<float>{plain.data(), d});
+    EXPECT_TRUE(BitEqual(good, plain));
+  }
+  // Wider strides than the head are fine (heads inside a wider row), and equal to the packed call.
+  Matrix<float> wide = Matrix<float>::Zero(n_q, 2 * d), packed(n_q, d);
+  moh::attention<float>(q, kv, mask, moh::AttentionOutput<float>{wide.data(), 2 * d});
+  moh::attention<float>(q, kv, mask, moh::AttentionOutput<float>{packed.data(), d});
+  EXPECT_TRUE(BitEqual(Matrix<float>(wide.leftCols(d)), packed));
+  EXPECT_EQ(Matrix<float>(wide.rightCols(d)), Matrix<float>::Zero(n_q, d));
+}
+
+}  // namespace

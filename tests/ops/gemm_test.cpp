@@ -1,0 +1,384 @@
+// Tests for moh/ops/gemm.hpp: the packed GEMM and the few-rows product against a naive double
+// loop, for B given as [K, N] and as the transpose of [N, K], in T and in bfloat16, on strided
+// views, with and without accumulation, over shapes that cross every block edge (MR, NR, KC, MC,
+// NC); the promise that each element is one in-order chain, so a row or a tile computed alone is
+// bitwise the row or tile of the whole product; and the packs coming from the caller's arena
+// (handed back after each call, nothing new once warm).
+#include "moh/ops/gemm.hpp"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "moh/float16.hpp"
+#include "reference/naive_blocks.hpp"
+#include "test_helpers.hpp"
+
+namespace {
+
+using moh::Index;
+using moh::Matrix;
+using moh::detail::Arena;
+using moh::detail::GemmB;
+using moh::detail::GemmShape;
+using moh_test::BitEqual;
+
+// Shapes around the block sizes of the float kernel on this target.
+std::vector<std::array<Index, 3>> shapes() {
+  using S = GemmShape<float>;
+  return {{1, 1, 1},
+          {2, 3, 5},
+          {S::MR, S::NR, 7},
+          {S::MR + 1, S::NR + 1, S::KC + 1},
+          {S::MC + 5, S::NC + 3, 2 * S::KC + 17},
+          {2 * S::MC + 1, 2 * S::NC + S::NR + 1, 64},
+          {5, 3 * S::NR - 1, S::KC - 1},
+          {37, 17, 300}};
+}
+
+// B as a dense [K, N] reference in double, from `stored` laid out as the operand describes.
+template <class T>
+Matrix<double> b_reference(const Matrix<T>& stored, bool transposed) {
+  return transposed ? Matrix<double>(stored.template cast<double>().transpose())
+                    : Matrix<double>(stored.template cast<double>());
+}
+
+/// The operands of a product C [M, N] = A [M, K] B [K, N]: B stored as [K, N], or as [N, K] when
+/// `transposed`, and a C0 to accumulate onto.
+template <class T>
+struct Operands {
+  Matrix<T> A, Bs, C0;
+  bool transposed;
+
+  GemmB<T> b() const { return GemmB<T>{Bs.data(), nullptr, Bs.cols(), transposed}; }
+  /// A B in double, plus C0 when `accumulate`.
+  Matrix<double> want(bool accumulate) const {
+    Matrix<double> w = A.template cast<double>() * b_reference(Bs, transposed);
+    if (accumulate) w += C0.template cast<double>();
+    return w;
+  }
+};
+/// Runs f(M, N, K, transposed) for every shape of shapes() and both layouts of B, under a trace
+/// that names them.
+template <class F>
+void for_shapes_and_layouts(F&& f) {
+  for (const auto& [M, N, K] : shapes())
+    for (bool transposed : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " K=" << K
+                                      << " transposed=" << transposed);
+      f(M, N, K, transposed);
+    }
+}
+
+/// The values of W rounded to bfloat16: their bits, and the bits widened back to float.
+struct BFloat16Copy {
+  std::vector<std::uint16_t> bits;
+  Matrix<float> widened;
+
+  explicit BFloat16Copy(const Matrix<float>& W)
+      : bits(static_cast<std::size_t>(W.size())), widened(W.rows(), W.cols()) {
+    for (Index i = 0; i < W.size(); ++i) {
+      bits[i] = moh::float_to_bfloat16(W.data()[i]);
+      widened.data()[i] = moh::bfloat16_to_float(bits[i]);
+    }
+  }
+};
+
+/// Seeded random operands: A from `seed`, B from seed + 1, C0 from seed + 2.
+template <class T>
+Operands<T> random_operands(Index M, Index N, Index K, bool transposed, std::uint64_t seed) {
+  return {moh_test::random_matrix<T>(M, K, seed),
+          transposed ? moh_test::random_matrix<T>(N, K, seed + 1) : moh_test::random_matrix<T>(K, N, seed + 1),
+          moh_test::random_matrix<T>(M, N, seed + 2), transposed};
+}
+
+TEST(Gemm, MatchesNaiveForBothLayoutsWithAndWithoutAccumulation) {
+  Arena arena;
+  for_shapes_and_layouts([&](Index M, Index N, Index K, bool transposed) {
+    for (bool accumulate : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "accumulate=" << accumulate);
+      const Operands<float> op = random_operands<float>(M, N, K, transposed, 1);
+      Matrix<float> C = op.C0;
+      moh::detail::gemm<float>(op.A.data(), K, op.b(), C.data(), N, M, N, K, accumulate, arena);
+      EXPECT_LE(moh_test::max_abs_diff(C, op.want(accumulate)), 1e-6 * static_cast<double>(K + 2));
+    }
+  });
+}
+
+TEST(Gemm, ReadsStridedViewsAndLeavesTheRestOfCAlone) {
+  Arena arena;
+  const Index M = 23, N = 70, K = 260, pad = 9;
+  const Matrix<float> Abig = moh_test::random_matrix<float>(M + 2, K + pad, 4);
+  const Matrix<float> Wbig = moh_test::random_matrix<float>(N + 3, K + pad, 5);
+  Matrix<float> Cbig = moh_test::random_matrix<float>(M + 4, N + pad, 6);
+  const Matrix<float> before = Cbig;
+  const float* a = Abig.data() + 1 * Abig.cols() + 2;
+  const float* w = Wbig.data() + 2 * Wbig.cols() + 3;
+  float* c = Cbig.data() + 3 * Cbig.cols() + 4;
+  moh::detail::gemm<float>(a, Abig.cols(), GemmB<float>{w, nullptr, Wbig.cols(), true}, c,
+                           Cbig.cols(), M, N, K, false, arena);
+  const Matrix<double> want =
+      Abig.block(1, 2, M, K).cast<double>() * Wbig.block(2, 3, N, K).cast<double>().transpose();
+  EXPECT_LE(moh_test::max_abs_diff(Cbig.block(3, 4, M, N), want), 1e-6 * (K + 2));
+  // Everything outside the [M, N] block at (3, 4) is untouched.
+  Matrix<float> outside = Cbig;
+  outside.block(3, 4, M, N) = before.block(3, 4, M, N);
+  EXPECT_TRUE(BitEqual(outside, before));
+}
+
+TEST(Gemm, EachElementIsOneChainWhateverTheTiling) {
+  Arena arena;
+  // Rows, columns and tiles computed on their own are bitwise those of the whole product,
+  // including the edge tiles and the depth split at KC.
+  using S = GemmShape<float>;
+  const Index M = 2 * S::MC + 7, N = S::NC + S::NR + 5, K = 2 * S::KC + 3;
+  for (bool transposed : {false, true}) {
+    const Operands<float> op = random_operands<float>(M, N, K, transposed, 7);
+    const Matrix<float>& A = op.A;
+    const GemmB<float> B = op.b();
+    Matrix<float> whole(M, N);
+    moh::detail::gemm<float>(A.data(), K, B, whole.data(), N, M, N, K, false, arena);
+
+    Matrix<float> tiled(M, N);
+    const Index rows[] = {0, 1, S::MR + 2, S::MC + 3, M};
+    const Index cols[] = {0, 3, S::NR + 1, N};
+    for (int i = 0; i + 1 < 5; ++i)
+      for (int j = 0; j + 1 < 4; ++j) {
+        const Index r0 = rows[i], c0 = cols[j];
+        moh::detail::gemm<float>(A.data() + r0 * K, K, B.offset(0, c0), tiled.data() + r0 * N + c0,
+                                 N, rows[i + 1] - r0, cols[j + 1] - c0, K, false, arena);
+      }
+    EXPECT_TRUE(BitEqual(tiled, whole)) << "transposed=" << transposed;
+
+    // Accumulating the depth in two calls is the same chain as one call.
+    Matrix<float> split(M, N);
+    const Index k1 = S::KC + 5;
+    moh::detail::gemm<float>(A.data(), K, B, split.data(), N, M, N, k1, false, arena);
+    moh::detail::gemm<float>(A.data() + k1, K, B.offset(k1, 0), split.data(), N, M, N, K - k1,
+                             true, arena);
+    EXPECT_TRUE(BitEqual(split, whole)) << "transposed=" << transposed;
+  }
+}
+
+TEST(Gemm, BFloat16OperandEqualsTheWidenedValuesExactly) {
+  Arena arena;
+  for_shapes_and_layouts([&](Index M, Index N, Index K, bool transposed) {
+    const Operands<float> op = random_operands<float>(M, N, K, transposed, 9);
+    const BFloat16Copy w(op.Bs);
+    const Index ld = op.Bs.cols();
+    Matrix<float> from_bits(M, N), from_floats(M, N);
+    moh::detail::gemm<float>(op.A.data(), K, GemmB<float>{nullptr, w.bits.data(), ld, transposed},
+                             from_bits.data(), N, M, N, K, false, arena);
+    moh::detail::gemm<float>(op.A.data(), K, GemmB<float>{w.widened.data(), nullptr, ld, transposed},
+                             from_floats.data(), N, M, N, K, false, arena);
+    EXPECT_TRUE(BitEqual(from_bits, from_floats));
+  });
+}
+
+TEST(Gemm, DoubleMatchesNaive) {
+  Arena arena;
+  const Index M = 13, N = 41, K = 300;
+  const Matrix<double> A = moh_test::random_matrix<double>(M, K, 11);
+  const Matrix<double> W = moh_test::random_matrix<double>(N, K, 12);
+  Matrix<double> C(M, N);
+  moh::detail::gemm<double>(A.data(), K, GemmB<double>{W.data(), nullptr, K, true}, C.data(), N, M,
+                            N, K, false, arena);
+  const Matrix<double> want = A * W.transpose();
+  EXPECT_LE(moh_test::max_abs_diff(C, want), 1e-13 * K);
+}
+
+TEST(Gemm, NoDepthGivesZeroOrLeavesC) {
+  Arena arena;
+  Matrix<float> C = Matrix<float>::Constant(3, 4, 2.0f);
+  const float a = 0, w = 0;
+  moh::detail::gemm<float>(&a, 0, GemmB<float>{&w, nullptr, 0, true}, C.data(), 4, 3, 4, 0, true, arena);
+  EXPECT_EQ(C, Matrix<float>::Constant(3, 4, 2.0f));
+  moh::detail::gemm<float>(&a, 0, GemmB<float>{&w, nullptr, 0, true}, C.data(), 4, 3, 4, 0, false, arena);
+  EXPECT_EQ(C, Matrix<float>::Zero(3, 4));
+}
+
+TEST(Multiply, UnpackedFewRowsGiveTheBitsOfThePackedGemm) {
+  Arena arena;
+  // multiply() runs a [K, N] operand unpacked below kUnpackedRows rows: the same chain per
+  // element as gemm(), from float or bfloat16, accumulating or not.
+  using S = GemmShape<float>;
+  for (Index M : {Index(1), Index(5), Index(S::MR + 1), moh::detail::kUnpackedRows - 1})
+    for (Index N : {S::L, S::NR, S::NR + S::L, 3 * S::NR})
+      for (bool bf16 : {false, true})
+        for (bool accumulate : {false, true}) {
+          const Index K = 300;
+          SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " bf16=" << bf16
+                                          << " accumulate=" << accumulate);
+          const Matrix<float> A = moh_test::random_matrix<float>(M, K, 18);
+          const Matrix<float> W = moh_test::random_matrix<float>(K, N, 19);
+          const BFloat16Copy w(W);
+          const Matrix<double> Wd = (bf16 ? w.widened : W).cast<double>();  // the values B holds
+          const GemmB<float> B = bf16 ? GemmB<float>{nullptr, w.bits.data(), N, false}
+                                      : GemmB<float>{W.data(), nullptr, N, false};
+          const Matrix<float> C0 = moh_test::random_matrix<float>(M, N, 20);
+          Matrix<float> unpacked = C0, packed = C0;
+          moh::detail::multiply<float>(A.data(), K, B, unpacked.data(), N, M, N, K, accumulate, arena);
+          moh::detail::gemm<float>(A.data(), K, B, packed.data(), N, M, N, K, accumulate, arena);
+          EXPECT_TRUE(BitEqual(unpacked, packed));
+          Matrix<double> want = A.cast<double>() * Wd;
+          if (accumulate) want += C0.cast<double>();
+          EXPECT_LE(moh_test::max_abs_diff(unpacked, want), 1e-6 * (K + 2));
+        }
+}
+
+TEST(Multiply, ReachIsAPrefetchHintOnly) {
+  Arena arena;
+  // An operand over the first K of a taller matrix's rows may prefetch the rows below (a routed
+  // expert's weights followed by the next expert's); the product is bitwise the same. K spans
+  // several of small_product's depth blocks, M several row tiles and N two whole strips and a
+  // narrow one, so that row tiles prefetch the next block, the next strip and the rows past K;
+  // in a build with assertions small_product checks that no prefetch reaches row `reach`.
+  // M = 2 MR has no rows after its whole tiles, and K = 0 no depth block at all.
+  using S = GemmShape<float>;
+  const Index N = 2 * S::NR + S::L;
+  for (Index M : {S::MR + 1, 2 * S::MR, 2 * S::MR + 1})
+    for (Index K : {0, 64, 1100}) {
+      SCOPED_TRACE(testing::Message() << "M=" << M << " K=" << K);
+      const Index rows = K + 5;
+      const Matrix<float> A = moh_test::random_matrix<float>(M, std::max<Index>(K, 1), 21);
+      const Matrix<float> W = moh_test::random_matrix<float>(rows, N, 22);
+      GemmB<float> near{W.data(), nullptr, N, false}, far = near;
+      far.reach = rows;
+      EXPECT_EQ(far.offset(K, 0).reach, rows - K);
+      EXPECT_EQ(far.offset(rows, 0).reach, 0);
+      Matrix<float> with(M, N), without(M, N);
+      moh::detail::multiply<float>(A.data(), A.cols(), far, with.data(), N, M, N, K, false, arena);
+      moh::detail::multiply<float>(A.data(), A.cols(), near, without.data(), N, M, N, K, false, arena);
+      EXPECT_TRUE(BitEqual(with, without));
+      const Matrix<double> want = A.leftCols(K).cast<double>() * W.topRows(K).cast<double>();
+      EXPECT_LE(moh_test::max_abs_diff(with, want), 1e-6 * (K + 2));
+    }
+}
+
+TEST(RowsProduct, MatchesNaiveFromFloatAndBFloat16AndAccumulates) {
+  for (Index n = 1; n <= moh::detail::kFewRows; ++n)
+    for (Index K : {1, 15, 16, 17, 100, 1027})
+      for (Index count : {1, 7, 8, 9, 70}) {
+        SCOPED_TRACE(testing::Message() << "n=" << n << " K=" << K << " count=" << count);
+        const Matrix<float> A = moh_test::random_matrix<float>(n, K, 13);
+        const Matrix<float> W = moh_test::random_matrix<float>(count, K, 14);
+        const Matrix<float> C0 = moh_test::random_matrix<float>(n, count, 15);
+        Matrix<float> C = C0;
+        moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, C.data(), count,
+                                         true);
+        const Matrix<double> want = A.cast<double>() * W.cast<double>().transpose();
+        EXPECT_LE(moh_test::max_abs_diff(C, want + C0.cast<double>()), 1e-6 * (K + 2));
+
+        const BFloat16Copy w(W);
+        Matrix<float> Cb(n, count);
+        moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, Cb.data(),
+                                         count, false);
+        EXPECT_LE(moh_test::max_abs_diff(Cb, A.cast<double>() * w.widened.cast<double>().transpose()),
+                  1e-6 * (K + 2));
+      }
+}
+
+TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
+  const Index n = moh::detail::kFewRows, K = 333, count = 29;
+  const Matrix<float> A = moh_test::random_matrix<float>(n, K, 16);
+  const Matrix<float> W = moh_test::random_matrix<float>(count, K, 17);
+  Matrix<float> all(n, count);
+  moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, all.data(), count, false);
+  for (Index r = 0; r < n; ++r) {
+    Matrix<float> one(1, count);
+    moh::detail::rows_product<float>(A.data() + r * K, K, 1, W.data(), K, count, K, one.data(),
+                                     count, false);
+    EXPECT_TRUE(BitEqual(one, Matrix<float>(all.row(r)))) << "row " << r;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// multiply() switches from rows_product to gemm between kFewRows and kFewRows + 1 rows of a
+// transposed operand, and runs [K, N] operands unpacked below kUnpackedRows: every route matches
+// the naive product, in float and double.
+template <class T>
+void check_multiply_routes(double tol_per_term) {
+  Arena arena;
+  const Index K = 131;
+  for (bool transposed : {true, false})
+    for (Index M : {moh::detail::kFewRows, moh::detail::kFewRows + 1, moh::detail::kUnpackedRows - 1,
+                    moh::detail::kUnpackedRows})
+      for (Index N : {GemmShape<T>::L, 3 * GemmShape<T>::L, 3 * GemmShape<T>::L + 1}) {
+        SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " transposed=" << transposed);
+        const Operands<T> op = random_operands<T>(M, N, K, transposed, 21);
+        Matrix<T> C = op.C0;
+        moh::detail::multiply<T>(op.A.data(), K, op.b(), C.data(), N, M, N, K, true, arena);
+        EXPECT_LE(moh_test::max_abs_diff(C, op.want(true)), tol_per_term * (K + 2));
+      }
+}
+
+TEST(Multiply, EveryRouteMatchesNaiveInFloatAndDouble) {
+  check_multiply_routes<float>(1e-6);
+  check_multiply_routes<double>(1e-14);
+}
+
+}  // namespace
+
+namespace {
+
+// The packs of B (and of A's last partial panel) come from the caller's arena: each call hands
+// them back (nothing in use afterwards), a warm arena does not grow for the same or a smaller
+// shape, and what earlier calls left in it does not leak into a result (the zero padding of edge
+// panels is rewritten every time): a reused arena gives the bits of a fresh one.
+TEST(Gemm, PacksComeFromTheArenaAndLeaveNothingBehind) {
+  Arena reused;
+  // Fill the arena with garbage of a large call first: NaNs everywhere the packs will lie.
+  {
+    Arena::Scope scope(reused);
+    float* junk = reused.allocate<float>(1 << 18);
+    for (Index i = 0; i < (1 << 18); ++i) junk[i] = std::numeric_limits<float>::quiet_NaN();
+  }
+  EXPECT_EQ(reused.in_use(), 0u);
+  for_shapes_and_layouts([&](Index M, Index N, Index K, bool transposed) {
+    const Operands<float> op = random_operands<float>(M, N, K, transposed, 31);
+    const Matrix<float>& A = op.A;
+    const GemmB<float> B = op.b();
+    Matrix<float> with_reused(M, N), with_fresh(M, N);
+    moh::detail::gemm<float>(A.data(), K, B, with_reused.data(), N, M, N, K, false, reused);
+    EXPECT_EQ(reused.in_use(), 0u);
+    Arena fresh;
+    moh::detail::gemm<float>(A.data(), K, B, with_fresh.data(), N, M, N, K, false, fresh);
+    EXPECT_EQ(fresh.in_use(), 0u);
+    EXPECT_TRUE(BitEqual(with_reused, with_fresh));
+    EXPECT_TRUE(with_reused.allFinite());
+    // Warm: the same call again takes no new memory and gives the same bits.
+    const std::size_t warm = fresh.bytes();
+    Matrix<float> again(M, N);
+    moh::detail::gemm<float>(A.data(), K, B, again.data(), N, M, N, K, false, fresh);
+    EXPECT_EQ(fresh.bytes(), warm);
+    EXPECT_TRUE(BitEqual(again, with_fresh));
+    // multiply() takes the same arena and also hands it back.
+    moh::detail::multiply<float>(A.data(), K, B, again.data(), N, M, N, K, false, fresh);
+    EXPECT_EQ(fresh.in_use(), 0u);
+  });
+  // An arena already in use by the caller keeps what the caller holds.
+  Arena held;
+  Arena::Scope outer(held);
+  float* mine = held.allocate<float>(100);
+  for (Index i = 0; i < 100; ++i) mine[i] = static_cast<float>(i);
+  const std::size_t in_use = held.in_use();
+  const Matrix<float> A = moh_test::random_matrix<float>(40, 300, 33);
+  const Matrix<float> W = moh_test::random_matrix<float>(70, 300, 34);
+  Matrix<float> C(40, 70), D(40, 70);
+  moh::detail::gemm<float>(A.data(), 300, GemmB<float>{W.data(), nullptr, 300, true}, C.data(), 70,
+                           40, 70, 300, false, held);
+  Arena other;
+  moh::detail::gemm<float>(A.data(), 300, GemmB<float>{W.data(), nullptr, 300, true}, D.data(), 70,
+                           40, 70, 300, false, other);
+  EXPECT_EQ(held.in_use(), in_use);
+  for (Index i = 0; i < 100; ++i) ASSERT_EQ(mine[i], static_cast<float>(i)) << i;
+  EXPECT_TRUE(BitEqual(C, D));
+}
+
+}  // namespace
