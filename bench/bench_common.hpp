@@ -62,7 +62,7 @@ inline HeadSplit moh_split(Index heads, Index active_pct) {
 
 /// The MoH config of a benchmark: learned router, bias, no RoPE unless told otherwise.
 inline moh::MoHConfig moh_config(Index D, Index H, Index G, const HeadSplit& s,
-                                 moh::MoHRouter router = moh::MoHRouter::Learned,
+                                 moh::MoHRouterKind router = moh::MoHRouterKind::Learned,
                                  bool bias = true, bool rope = false) {
   moh::MoHConfig c;
   c.embed_dim = D;
@@ -100,15 +100,15 @@ inline double mha_flops(Index B, Index Tq, Index S, Index D, Index H, Index G, I
 /// active (token, head) pairs; plus the router. With the query-norm router (or when every head is
 /// active, which takes the dense path) the queries of all heads are projected.
 inline double moh_flops(Index B, Index Tq, Index S, Index D, Index H, Index G, Index d,
-                        bool causal, const HeadSplit& s, moh::MoHRouter router) {
+                        bool causal, const HeadSplit& s, moh::MoHRouterKind router) {
   const double N = static_cast<double>(B * Tq), r = s.ratio();
-  const bool all_queries = router == moh::MoHRouter::QueryNorm || s.active() == H;
+  const bool all_queries = router == moh::MoHRouterKind::QueryNorm || s.active() == H;
   const double kv = 2.0 * N * D * static_cast<double>(2 * G * d);
   const double q = 2.0 * N * D * static_cast<double>(H * d) * (all_queries ? 1.0 : r);
   const double att = 4.0 * B * H * attention_pairs(Tq, S, causal) * d * r;
   const double out = 2.0 * N * H * d * D * r;
   double route = 0.0;
-  if (router == moh::MoHRouter::Learned) {
+  if (router == moh::MoHRouterKind::Learned) {
     Index rows = 0;  // W_r [H - S, D], W_s [S, D] when S > 1, W_m [2, D] when both groups exist
     if (s.routed_k > 0) rows += H - s.shared;
     if (s.shared > 1) rows += s.shared;
@@ -150,6 +150,26 @@ inline void set_layer_counters(benchmark::State& state, double flops_per_iter,
 inline void keep(float* data) {
   benchmark::DoNotOptimize(data);
   benchmark::ClobberMemory();
+}
+
+/// Times layer.forward (non-causal self-attention) on a seeded random [B, T, D] input, one call
+/// per iteration, on `pool` (null: the calling thread), with one moh::Workspace held across the
+/// iterations, so that warm calls allocate nothing.
+template <class Layer>
+void time_forward(benchmark::State& state, const Layer& layer, Index B, Index T,
+                  moh::ThreadPool* pool = nullptr) {
+  const Index D = layer.embed_dim();
+  const moh::Tensor3<float> x = random_activation(B, T, D, 7);
+  moh::Tensor3<float> y(B, T, D);
+  moh::Workspace ws;
+  moh::ForwardOptions opts;
+  opts.pool = pool;
+  opts.workspace = &ws;
+  const moh::ConstTensorMap3<float> xm(x.data(), B, T, D);
+  for (auto _ : state) {
+    layer.forward(xm, moh::TensorMap3<float>(y.data(), B, T, D), opts);
+    keep(y.data());
+  }
 }
 
 }  // namespace moh_bench

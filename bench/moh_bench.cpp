@@ -10,7 +10,8 @@
 //   BM_MHA_Prefill_Threads/batch:1/tokens:2048/d_model:1024/heads:16/threads:N
 //   BM_MoH_Prefill_Threads/batch:1/tokens:2048/d_model:1024/heads:16/active_pct:50/threads:N
 //
-// Prefill is non-causal self-attention (ViT style) at every shape. Everything runs on the calling
+// Prefill is non-causal self-attention (ViT style) at every shape, with a moh::Workspace held
+// across iterations (warm calls allocate nothing). Everything runs on the calling
 // thread (ForwardOptions::pool = nullptr) except the *_Threads benchmarks, which pass a
 // moh::ThreadPool and measure real time (Google Benchmark appends "/real_time" to their names).
 // Decode and memory-bandwidth benchmarks live in moh_bench_decode.cpp. bench/run_suite.sh runs the
@@ -52,8 +53,9 @@ void BM_MohGEMM(benchmark::State& state) {
   moh::Matrix<float> X(N, D), W(O, D), Y(N, O);
   moh_bench::fill_uniform(X.data(), X.size(), 1);
   moh_bench::fill_uniform(W.data(), W.size(), 2);
+  moh::Workspace ws;
   for (auto _ : state) {
-    moh::linear<float>(X, W, nullptr, Y);
+    moh::linear<float>(X, W, Y, nullptr, &ws);
     moh_bench::keep(Y.data());
   }
   state.counters["GFLOPs"] = benchmark::Counter(
@@ -70,19 +72,10 @@ void gemm_args(benchmark::internal::Benchmark* b) {
 // ---------------------------------------------------------------------------------------------
 void run_mha_prefill(benchmark::State& state, Index B, Index T, Index D, Index H,
                      moh::ThreadPool* pool) {
-  moh::MhaConfig cfg;
+  moh::MHAConfig cfg;
   cfg.embed_dim = D;
   cfg.num_heads = H;
-  const moh::MultiHeadAttention<float> layer(cfg, /*seed=*/42);
-  const moh::Tensor3<float> x = moh_bench::random_activation(B, T, D, 7);
-  moh::Tensor3<float> y(B, T, D);
-  moh::ForwardOptions opts;  // non-causal
-  opts.pool = pool;
-  const moh::ConstTensorMap3<float> xm(x.data(), B, T, D);
-  for (auto _ : state) {
-    layer.forward(xm, moh::TensorMap3<float>(y.data(), B, T, D), opts);
-    moh_bench::keep(y.data());
-  }
+  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(cfg, /*seed=*/42), B, T, pool);
   const Index d = D / H;
   moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, H, d, false),
                                 static_cast<double>(B * T), 1.0);
@@ -103,20 +96,13 @@ void mha_args(benchmark::internal::Benchmark* b) {
 void run_moh_prefill(benchmark::State& state, Index B, Index T, Index D, Index H, Index pct,
                      moh::ThreadPool* pool) {
   const HeadSplit split = moh_bench::moh_split(H, pct);
-  const moh::MoHAttention<float> layer(moh_bench::moh_config(D, H, H, split), /*seed=*/42);
-  const moh::Tensor3<float> x = moh_bench::random_activation(B, T, D, 7);
-  moh::Tensor3<float> y(B, T, D);
-  moh::ForwardOptions opts;  // non-causal, ComputeMode::Sparse
-  opts.pool = pool;
-  const moh::ConstTensorMap3<float> xm(x.data(), B, T, D);
-  for (auto _ : state) {
-    layer.forward(xm, moh::TensorMap3<float>(y.data(), B, T, D), opts);
-    moh_bench::keep(y.data());
-  }
+  moh_bench::time_forward(  // the sparse path
+      state, moh::MoHAttention<float>(moh_bench::moh_config(D, H, H, split), /*seed=*/42), B, T,
+      pool);
   const Index d = D / H;
   moh_bench::set_layer_counters(
       state,
-      moh_bench::moh_flops(B, T, T, D, H, H, d, false, split, moh::MoHRouter::Learned),
+      moh_bench::moh_flops(B, T, T, D, H, H, d, false, split, moh::MoHRouterKind::Learned),
       static_cast<double>(B * T), split.ratio());
   state.counters["shared_heads"] = static_cast<double>(split.shared);
   state.counters["routed_k"] = static_cast<double>(split.routed_k);
@@ -145,15 +131,7 @@ void BM_MoA_Prefill(benchmark::State& state) {
   cfg.head_dim = d;
   cfg.num_experts = E;
   cfg.top_k = k;
-  const moh::MoAAttention<float> layer(cfg, /*seed=*/42);
-  const moh::Tensor3<float> x = moh_bench::random_activation(B, T, D, 7);
-  moh::Tensor3<float> y(B, T, D);
-  const moh::ForwardOptions opts;  // non-causal, single thread
-  const moh::ConstTensorMap3<float> xm(x.data(), B, T, D);
-  for (auto _ : state) {
-    layer.forward(xm, moh::TensorMap3<float>(y.data(), B, T, D), opts);
-    moh_bench::keep(y.data());
-  }
+  moh_bench::time_forward(state, moh::MoAAttention<float>(cfg, /*seed=*/42), B, T);
   moh_bench::set_layer_counters(state, moh_bench::moa_flops(B, T, T, D, E, k, d, false),
                                 static_cast<double>(B * T),
                                 static_cast<double>(k) / static_cast<double>(E));

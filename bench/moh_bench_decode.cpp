@@ -14,11 +14,11 @@
 //
 // Keeping the context at C: the cache is filled once with C real tokens (forward_cached in causal
 // chunks of 512, on a thread pool, outside the timing) and has capacity C + 1. Every iteration
-// first rolls the cache back to C tokens with `cache.reset(); cache.commit(C);` (two O(1) calls:
-// reset() forgets the length but keeps the stored keys/values, so slots [0, C) still hold the
-// filled tokens) and then runs the timed step, which appends token C and attends over C + 1 keys.
-// The context is therefore exactly C at every iteration, with no PauseTiming and no refill. Even if
-// reset() ever cleared the data, the step would read the same C + 1 slots: the cost is unchanged.
+// first rolls the cache back to C tokens with `cache.truncate(C)` (O(1): it forgets the last
+// token but keeps the stored keys/values, so slots [0, C) still hold the filled tokens) and then
+// runs the timed step, which appends token C and attends over C + 1 keys. The context is
+// therefore exactly C at every iteration, with no PauseTiming and no refill. The step runs with a
+// moh::Workspace held across iterations, so warm steps allocate nothing.
 // The filled cache is kept between Google Benchmark's calls of the same benchmark (iteration
 // search, repetitions), so the fill runs once per benchmark.
 //
@@ -46,7 +46,7 @@ template <class Layer>
 void fill_cache(const Layer& layer, moh::KvCache<float>& cache, Index B, Index D, Index context) {
   moh::ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   moh::ForwardOptions opts;
-  opts.causal = true;
+  opts.causal = moh::Causal::On;
   opts.pool = &pool;
   for (Index start = 0; start < context; start += kFillChunk) {
     const Index n = std::min(kFillChunk, context - start);
@@ -68,6 +68,22 @@ struct DecodeFixture {
   std::string label;
 };
 
+/// A fixture for `key`: the layer with seeded weights, its cache filled to C tokens (room for
+/// C + 1) and the step's input and output.
+template <class Layer>
+std::unique_ptr<DecodeFixture<Layer>> make_fixture(const std::string& key,
+                                                   const typename Layer::Config& cfg, Index B,
+                                                   Index C, Index D) {
+  auto fx = std::make_unique<DecodeFixture<Layer>>();
+  fx->key = key;
+  fx->layer = std::make_unique<Layer>(cfg, 42);
+  fx->cache = fx->layer->make_cache(B, C + 1);
+  fill_cache(*fx->layer, fx->cache, B, D, C);
+  fx->x = moh_bench::random_activation(B, 1, D, 99);
+  fx->y = moh::Tensor3<float>(B, 1, D);
+  return fx;
+}
+
 template <class Layer>
 std::unique_ptr<DecodeFixture<Layer>>& fixture_slot() {
   static std::unique_ptr<DecodeFixture<Layer>> slot;
@@ -81,17 +97,16 @@ std::string fixture_key(const benchmark::State& state, int args, bool llama) {
   return key;
 }
 
-void roll_back(moh::KvCache<float>& cache, Index context) {
-  cache.reset();
-  cache.commit(context);
-}
+void roll_back(moh::KvCache<float>& cache, Index context) { cache.truncate(context); }
 
 template <class Layer>
 void run_decode(benchmark::State& state, DecodeFixture<Layer>& f, Index B, Index C, Index D,
                 double flops, double active_ratio) {
   const moh::ConstTensorMap3<float> xm(f.x.data(), B, 1, D);
+  moh::Workspace ws;
   moh::ForwardOptions opts;
-  opts.causal = true;
+  opts.causal = moh::Causal::On;
+  opts.workspace = &ws;
   for (auto _ : state) {
     roll_back(f.cache, C);
     f.layer->forward_cached(xm, moh::TensorMap3<float>(f.y.data(), B, 1, D), f.cache, opts);
@@ -118,20 +133,14 @@ void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16) {
   const std::string key = fixture_key(state, 5, llama) + (bf16 ? "/bf16" : "");
   if (!f || f->key != key) {
     f.reset();  // free the previous benchmark's cache first
-    auto fx = std::make_unique<DecodeFixture<moh::MultiHeadAttention<float>>>();
-    moh::MhaConfig cfg;
+    moh::MHAConfig cfg;
     cfg.embed_dim = D;
     cfg.num_heads = H;
     cfg.num_kv_heads = G;
     cfg.bias = !llama;
     cfg.rope = llama;
     if (bf16) cfg.weight_storage = moh::WeightStorage::BFloat16;
-    fx->key = key;
-    fx->layer = std::make_unique<moh::MultiHeadAttention<float>>(cfg, 42);
-    fx->cache = fx->layer->make_cache(B, C + 1);
-    fill_cache(*fx->layer, fx->cache, B, D, C);
-    fx->x = moh_bench::random_activation(B, 1, D, 99);
-    fx->y = moh::Tensor3<float>(B, 1, D);
+    auto fx = make_fixture<moh::MultiHeadAttention<float>>(key, cfg, B, C, D);
     fx->kv_heads_read = static_cast<double>(B * G);
     fx->kv_bytes = 2.0 * B * G * static_cast<double>(C + 1) * d * sizeof(float);
     const double w = static_cast<double>((H + 2 * G) * d * D + D * H * d);
@@ -152,26 +161,20 @@ void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16) {
               G = state.range(4), pct = state.range(5), d = D / H;
   // The prefill split rule; at the decode P values (50, 75, 100) it gives shared = H/4.
   const HeadSplit split = moh_bench::moh_split(H, pct);
-  const moh::MoHRouter router = llama ? moh::MoHRouter::QueryNorm : moh::MoHRouter::Learned;
+  const moh::MoHRouterKind router = llama ? moh::MoHRouterKind::QueryNorm : moh::MoHRouterKind::Learned;
   auto& f = fixture_slot<moh::MoHAttention<float>>();
   const std::string key = fixture_key(state, 6, llama) + (bf16 ? "/bf16" : "");
   if (!f || f->key != key) {
     f.reset();
-    auto fx = std::make_unique<DecodeFixture<moh::MoHAttention<float>>>();
     moh::MoHConfig cfg = moh_bench::moh_config(D, H, G, split, router, !llama, llama);
     if (bf16) cfg.weight_storage = moh::WeightStorage::BFloat16;
-    fx->key = key;
-    fx->layer = std::make_unique<moh::MoHAttention<float>>(cfg, 42);
-    fx->cache = fx->layer->make_cache(B, C + 1);
-    fill_cache(*fx->layer, fx->cache, B, D, C);
-    fx->x = moh_bench::random_activation(B, 1, D, 99);
-    fx->y = moh::Tensor3<float>(B, 1, D);
+    auto fx = make_fixture<moh::MoHAttention<float>>(key, cfg, B, C, D);
 
     // One untimed step with the routing record: which heads and kv heads the step uses. The input
     // is the same at every iteration, so the routing is too.
     moh::MoHRouting<float> routing;
     moh::ForwardOptions opts;
-    opts.causal = true;
+    opts.causal = moh::Causal::On;
     fx->layer->forward_cached(moh::ConstTensorMap3<float>(fx->x.data(), B, 1, D),
                               moh::TensorMap3<float>(fx->y.data(), B, 1, D), fx->cache, opts,
                               &routing);
@@ -188,12 +191,12 @@ void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16) {
         }
       kv_heads += static_cast<Index>(groups.size());
     }
-    const bool all_queries = router == moh::MoHRouter::QueryNorm || split.active() == H;
+    const bool all_queries = router == moh::MoHRouterKind::QueryNorm || split.active() == H;
     const Index q_heads = all_queries ? H : static_cast<Index>(heads_used.size());
     const Index out_heads = split.active() == H ? H : static_cast<Index>(heads_used.size());
     const double w = static_cast<double>(2 * G * d * D + q_heads * d * D + out_heads * d * D);
     double other = cfg.bias ? static_cast<double>(2 * G * d + q_heads * d + D) : 0.0;
-    if (router == moh::MoHRouter::Learned) {
+    if (router == moh::MoHRouterKind::Learned) {
       const auto& r = fx->layer->router();
       other += static_cast<double>(r.routed_weight().size() + r.shared_weight().size() +
                                    r.mix_weight().size());

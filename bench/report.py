@@ -91,6 +91,14 @@ def load_runs(path):
 
 
 def cpu_model():
+    """The CPU's model name: from lscpu, else /proc/cpuinfo."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -14,10 +14,11 @@
 //
 // With a safetensors file, layer i's attention is loaded from "layers.<i>.self_attn.q_proj.weight"
 // [256, 256], k_proj / v_proj [64, 256] and o_proj [256, 256]; everything else stays random.
-#include <moh/moh.hpp>
+#include <moh/io.hpp>  // moh.hpp plus SafeTensors and load_weights
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <iomanip>
 #include <iostream>
@@ -29,12 +30,6 @@ using moh::Index;
 using Matrix = moh::Matrix<float>;  // row-major [rows, cols]
 using Vector = moh::Vector<float>;
 
-Matrix uniform(Index rows, Index cols, float bound, std::mt19937& rng) {
-  std::uniform_real_distribution<float> dist(-bound, bound);
-  Matrix m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = dist(rng);
-  return m;
-}
 
 // out [T, D]: each row of x [T, D] divided by its root mean square, times weight [D].
 void rms_norm(const Matrix& x, const Vector& weight, Matrix& out) {
@@ -51,11 +46,11 @@ struct DecoderLayer {
         attn_norm(Vector::Ones(config.embed_dim)),
         mlp_norm(Vector::Ones(config.embed_dim)),
         head_counts(config.num_heads, 0) {
-    std::mt19937 rng(static_cast<unsigned>(seed));
+    std::srand(static_cast<unsigned>(seed));  // Eigen's Random draws from std::rand
     const Index D = config.embed_dim;
-    gate_proj = uniform(ffn, D, 1.0f / std::sqrt(static_cast<float>(D)), rng);
-    up_proj = uniform(ffn, D, 1.0f / std::sqrt(static_cast<float>(D)), rng);
-    down_proj = uniform(D, ffn, 1.0f / std::sqrt(static_cast<float>(ffn)), rng);
+    gate_proj = 1.0f / std::sqrt(static_cast<float>(D)) * Matrix::Random(ffn, D);
+    up_proj = 1.0f / std::sqrt(static_cast<float>(D)) * Matrix::Random(ffn, D);
+    down_proj = 1.0f / std::sqrt(static_cast<float>(ffn)) * Matrix::Random(D, ffn);
   }
 
   moh::MoHAttention<float> attn;
@@ -70,6 +65,7 @@ struct Decoder {
   Matrix embedding;   // [vocab, D], also the LM head
   Vector final_norm;  // [D]
   std::vector<DecoderLayer> layers;
+  moh::Workspace workspace;  // scratch of every call: warm decode steps allocate nothing
 
   // Runs the next tokens `ids` (after those already cached) and returns the logits [vocab] of the
   // last one.
@@ -77,8 +73,8 @@ struct Decoder {
     const Index T = static_cast<Index>(ids.size()), D = embedding.cols();
     Matrix h(T, D), normed(T, D), update(T, D);  // [T, D]
     for (Index t = 0; t < T; ++t) h.row(t) = embedding.row(ids[t]);
-    moh::ForwardOptions opts;
-    opts.causal = true;
+    moh::ForwardOptions opts;  // forward_cached is causal by default
+    opts.workspace = &workspace;
     moh::MoHRouting<float> routing;
     for (DecoderLayer& layer : layers) {
       rms_norm(h, layer.attn_norm, normed);
@@ -94,10 +90,10 @@ struct Decoder {
 
       rms_norm(h, layer.mlp_norm, normed);
       Matrix gate(T, layer.gate_proj.rows()), up(T, layer.up_proj.rows());  // [T, ffn]
-      moh::linear<float>(normed, layer.gate_proj, nullptr, gate);
-      moh::linear<float>(normed, layer.up_proj, nullptr, up);
+      moh::linear<float>(normed, layer.gate_proj, gate, nullptr, &workspace);
+      moh::linear<float>(normed, layer.up_proj, up, nullptr, &workspace);
       gate.array() = gate.array() / (1.0f + (-gate.array()).exp()) * up.array();  // SiLU(g) * u
-      moh::linear<float>(gate, layer.down_proj, nullptr, update);
+      moh::linear<float>(gate, layer.down_proj, update, nullptr, &workspace);
       h += update;
     }
     rms_norm(h, final_norm, normed);
@@ -121,7 +117,7 @@ int main(int argc, char** argv) {
   config.num_kv_heads = 2;         // grouped-query attention: 4 query heads per key/value head
   config.shared_heads = 4;
   config.active_routed_heads = 2;  // of 4 routed heads: 6 of 8 heads per token
-  config.router = moh::MoHRouter::QueryNorm;
+  config.router = moh::MoHRouterKind::QueryNorm;
   config.bias = false;
   config.rope = true;
 

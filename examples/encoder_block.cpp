@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <iomanip>
 #include <iostream>
@@ -26,12 +27,6 @@ using moh::Index;
 using Matrix = moh::Matrix<float>;  // row-major [rows, cols]
 using Vector = moh::Vector<float>;
 
-Matrix uniform(Index rows, Index cols, float bound, std::mt19937& rng) {
-  std::uniform_real_distribution<float> dist(-bound, bound);
-  Matrix m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = dist(rng);
-  return m;
-}
 
 // out [N, D]: each row of x [N, D] shifted to zero mean and scaled to unit variance, then
 // multiplied by gamma [D] and shifted by beta [D].
@@ -53,15 +48,15 @@ struct EncoderBlock {
   EncoderBlock(const moh::MoHConfig& config, Index hidden, std::uint64_t seed)
       : attn(config, seed) {
     const Index D = config.embed_dim;
-    std::mt19937 rng(static_cast<unsigned>(seed));
+    std::srand(static_cast<unsigned>(seed));  // Eigen's Random draws from std::rand
     norm1_weight = norm2_weight = Vector::Ones(D);
     norm1_bias = norm2_bias = Vector::Zero(D);
     const float bound1 = 1.0f / std::sqrt(static_cast<float>(D));
     const float bound2 = 1.0f / std::sqrt(static_cast<float>(hidden));
-    fc1_weight = uniform(hidden, D, bound1, rng);
-    fc1_bias = uniform(hidden, 1, bound1, rng);
-    fc2_weight = uniform(D, hidden, bound2, rng);
-    fc2_bias = uniform(D, 1, bound2, rng);
+    fc1_weight = bound1 * Matrix::Random(hidden, D);
+    fc1_bias = bound1 * Vector::Random(hidden);
+    fc2_weight = bound2 * Matrix::Random(D, hidden);
+    fc2_bias = bound2 * Vector::Random(D);
   }
 
   moh::MoHAttention<float> attn;
@@ -91,9 +86,9 @@ void run_block(const EncoderBlock& block, moh::Tensor3<float>& x, const moh::For
   rows += s.update;
 
   layer_norm(rows, block.norm2_weight, block.norm2_bias, s.normed);
-  moh::linear<float>(s.normed, block.fc1_weight, block.fc1_bias.data(), s.hidden, opts.pool);
+  moh::linear<float>(s.normed, block.fc1_weight, block.fc1_bias, s.hidden, opts.pool, opts.workspace);
   gelu(s.hidden);
-  moh::linear<float>(s.hidden, block.fc2_weight, block.fc2_bias.data(), s.update, opts.pool);
+  moh::linear<float>(s.hidden, block.fc2_weight, block.fc2_bias, s.update, opts.pool, opts.workspace);
   rows += s.update;
 }
 
@@ -114,8 +109,10 @@ int main() {
   for (Index i = 0; i < x.size(); ++i) x.data()[i] = normal(rng);
 
   moh::ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  moh::Workspace workspace;  // scratch for every thread of the pool, reused by every block
   moh::ForwardOptions opts;
   opts.pool = &pool;
+  opts.workspace = &workspace;
   Scratch scratch;
   moh::MoHRouting<float> routing;
 

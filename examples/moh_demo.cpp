@@ -53,7 +53,7 @@ int main() {
   for (Index i = 0; i < x.size(); ++i) x.data()[i] = normal(rng);
 
   std::vector<Row> rows;
-  moh::MhaConfig mha_config;
+  moh::MHAConfig mha_config;
   mha_config.embed_dim = D;
   mha_config.num_heads = H;
   rows.push_back({"MHA", 1.0, false,
