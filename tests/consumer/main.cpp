@@ -1,5 +1,5 @@
-// Smallest real moh user: the umbrella header compiles and links through moh::moh alone (Eigen,
-// nlohmann-json and threads come with it), a layer runs on two threads, and bad input is a
+// Smallest real moh user: the umbrella header compiles and links through moh::moh alone (Eigen
+// and threads come with it; no nlohmann-json), a layer runs on two threads, and bad input is a
 // catchable moh::Error derived from std::invalid_argument.
 #include <moh/moh.hpp>
 
