@@ -152,20 +152,28 @@ inline void keep(float* data) {
   benchmark::ClobberMemory();
 }
 
+/// The workspace every benchmark's calls use: kept for the whole run, as an application keeps
+/// one, so that no timed call pays for sizing it (Google Benchmark calls a benchmark function
+/// several times while it picks the iteration count).
+inline moh::Workspace& bench_workspace() {
+  static moh::Workspace ws;
+  return ws;
+}
+
 /// Times layer.forward (non-causal self-attention) on a seeded random [B, T, D] input, one call
-/// per iteration, on `pool` (null: the calling thread), with one moh::Workspace held across the
-/// iterations, so that warm calls allocate nothing.
+/// per iteration, on `pool` (null: the calling thread), with the run's workspace and one untimed
+/// warm-up call, so that the timed calls allocate nothing.
 template <class Layer>
 void time_forward(benchmark::State& state, const Layer& layer, Index B, Index T,
                   moh::ThreadPool* pool = nullptr) {
   const Index D = layer.embed_dim();
   const moh::Tensor3<float> x = random_activation(B, T, D, 7);
   moh::Tensor3<float> y(B, T, D);
-  moh::Workspace ws;
   moh::ForwardOptions opts;
   opts.pool = pool;
-  opts.workspace = &ws;
+  opts.workspace = &bench_workspace();
   const moh::ConstTensorMap3<float> xm(x.data(), B, T, D);
+  layer.forward(xm, moh::TensorMap3<float>(y.data(), B, T, D), opts);
   for (auto _ : state) {
     layer.forward(xm, moh::TensorMap3<float>(y.data(), B, T, D), opts);
     keep(y.data());

@@ -88,7 +88,7 @@ void expect_warm_call_allocates_nothing(Call&& call) {
 // The counter sees allocations: a control that would make the checks below vacuous otherwise.
 TEST(Allocations, TheCounterCountsAllocations) {
   EXPECT_GT(allocations_of([] { ::operator delete(::operator new(16)); }), 0);
-  EXPECT_GT(allocations_of([] { moh::Workspace w; w.call().allocate<float>(10); }), 0);
+  EXPECT_GT(allocations_of([] { moh::Workspace w; moh::detail::WorkspaceAccess::call(w).allocate<float>(10); }), 0);
   // And a forward without a workspace allocates (a temporary one): the README says so.
   const moh::MultiHeadAttention<float> layer(moh_test::mha_config(32, 4), 1);
   moh::Tensor3<float> x = random_tensor<float>(1, 9, 32, 2), y(1, 9, 32);

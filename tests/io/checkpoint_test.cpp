@@ -826,9 +826,10 @@ TEST(CheckpointSave, MalformedStoredConfigThrows) {
   };
   struct Bad { std::string text; const char* mentions; };
   const std::vector<Bad> cases = {
-      {"{not json", "invalid JSON"},
+      {"{not json", "not valid JSON"},
       {"[1, 2]", "JSON object"},
-      {std::string(200, '[') + std::string(200, ']'), "nesting"},
+      {std::string(200, '[') + std::string(200, ']'), "nests too deeply"},
+      {R"({"layer": "MoHAttention", "embed_dim": 32, "embed_dim": 64})", "repeats the key 'embed_dim'"},
       {edited("layer", "MoAAttention"), "MoHAttention"},
       {edited("num_heads", "8"), "num_heads"},
       {edited("num_heads", 2.5), "num_heads"},

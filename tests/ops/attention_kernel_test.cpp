@@ -307,7 +307,7 @@ TEST(AttentionKernel, WorkspaceReuseAcrossHeadSizes) {
     EXPECT_TRUE(BitEqual(A, B)) << "d " << d;
     EXPECT_TRUE(BitEqual(A, C)) << "d " << d;
     EXPECT_GT(fresh.bytes(), 0u);
-    EXPECT_EQ(shared.call().in_use(), 0u);
+    EXPECT_EQ(moh::detail::WorkspaceAccess::call(shared).in_use(), 0u);
     const std::size_t warm = shared.bytes();
     moh::attention<float>(queries, kv, mask, moh::AttentionOutput<float>{A.data(), d}, &shared);
     EXPECT_EQ(shared.bytes(), warm) << "d " << d;

@@ -212,53 +212,53 @@ TEST(Arena, MovesKeepTheBlocks) {
 TEST(Workspace, BytesCountTheCallArenaAndEveryThreadArena) {
   moh::Workspace ws;
   EXPECT_EQ(ws.bytes(), 0u);
-  ws.prepare(3);
+  moh::detail::WorkspaceAccess::prepare(ws, 3);
   EXPECT_EQ(ws.bytes(), 0u);  // arenas hold nothing until used
   {
-    const Arena::Scope a(ws.call());
-    ws.call().allocate<char>(100);
+    const Arena::Scope a(moh::detail::WorkspaceAccess::call(ws));
+    moh::detail::WorkspaceAccess::call(ws).allocate<char>(100);
   }
-  const std::size_t call_bytes = ws.call().bytes();
+  const std::size_t call_bytes = moh::detail::WorkspaceAccess::call(ws).bytes();
   EXPECT_GT(call_bytes, 0u);
   EXPECT_EQ(ws.bytes(), call_bytes);
   std::size_t total = call_bytes;
   for (int t = 0; t < 3; ++t) {
     {
-      const Arena::Scope s(ws.thread(t));
-      ws.thread(t).allocate<double>(1000 * (t + 1));
+      const Arena::Scope s(moh::detail::WorkspaceAccess::thread(ws, t));
+      moh::detail::WorkspaceAccess::thread(ws, t).allocate<double>(1000 * (t + 1));
     }
-    total += ws.thread(t).bytes();
+    total += moh::detail::WorkspaceAccess::thread(ws, t).bytes();
     EXPECT_EQ(ws.bytes(), total) << t;
   }
   // prepare() only ever adds arenas and keeps the existing ones.
-  Arena* first = &ws.thread(0);
-  ws.prepare(2);
-  EXPECT_EQ(&ws.thread(0), first);
+  Arena* first = &moh::detail::WorkspaceAccess::thread(ws, 0);
+  moh::detail::WorkspaceAccess::prepare(ws, 2);
+  EXPECT_EQ(&moh::detail::WorkspaceAccess::thread(ws, 0), first);
   EXPECT_EQ(ws.bytes(), total);
-  ws.prepare(5);
-  EXPECT_EQ(&ws.thread(0), first);
-  EXPECT_EQ(ws.thread(4).bytes(), 0u);
+  moh::detail::WorkspaceAccess::prepare(ws, 5);
+  EXPECT_EQ(&moh::detail::WorkspaceAccess::thread(ws, 0), first);
+  EXPECT_EQ(moh::detail::WorkspaceAccess::thread(ws, 4).bytes(), 0u);
   EXPECT_EQ(ws.bytes(), total);
 }
 
 TEST(Workspace, ReleaseFreesAllScratch) {
   moh::Workspace ws;
-  ws.prepare(2);
+  moh::detail::WorkspaceAccess::prepare(ws, 2);
   {
-    const Arena::Scope a(ws.call());
-    ws.call().allocate<float>(5000);
+    const Arena::Scope a(moh::detail::WorkspaceAccess::call(ws));
+    moh::detail::WorkspaceAccess::call(ws).allocate<float>(5000);
   }
   {
-    const Arena::Scope s(ws.thread(1));
-    ws.thread(1).allocate<float>(5000);
+    const Arena::Scope s(moh::detail::WorkspaceAccess::thread(ws, 1));
+    moh::detail::WorkspaceAccess::thread(ws, 1).allocate<float>(5000);
   }
   EXPECT_GT(ws.bytes(), 0u);
   ws.release();
   EXPECT_EQ(ws.bytes(), 0u);
-  ws.prepare(1);  // usable again
+  moh::detail::WorkspaceAccess::prepare(ws, 1);  // usable again
   {
-    const Arena::Scope s(ws.thread(0));
-    EXPECT_NE(ws.thread(0).allocate<float>(10), nullptr);
+    const Arena::Scope s(moh::detail::WorkspaceAccess::thread(ws, 0));
+    EXPECT_NE(moh::detail::WorkspaceAccess::thread(ws, 0).allocate<float>(10), nullptr);
   }
   EXPECT_GT(ws.bytes(), 0u);
 }
@@ -269,8 +269,8 @@ TEST(Workspace, ReleaseWhileACallUsesItIsAnError) {
     const moh::detail::WorkspaceLease lease(&ws, nullptr, "Test");
     EXPECT_EQ(&lease.get(), &ws);
     {
-      const Arena::Scope a(ws.call());
-      ws.call().allocate<char>(10);
+      const Arena::Scope a(moh::detail::WorkspaceAccess::call(ws));
+      moh::detail::WorkspaceAccess::call(ws).allocate<char>(10);
     }
     const std::size_t held = ws.bytes();
     EXPECT_TRUE(Mentions(error_of([&] { ws.release(); }),

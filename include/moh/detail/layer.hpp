@@ -35,10 +35,6 @@
 #include "moh/tensor.hpp"
 
 namespace moh {
-
-/// The routing record of a layer that routes nothing (MultiHeadAttention).
-struct NoRouting {};
-
 namespace detail {
 
 /// Head sizes of a layer, validated once by its config.
@@ -57,11 +53,19 @@ struct HeadShape {
 /// Validates the fields of AttentionConfig that every layer reads the same way.
 inline void validate_common(const AttentionConfig& c, const char* layer) {
   require(c.embed_dim > 0, layer, ": embed_dim must be positive: expected > 0, got ", c.embed_dim);
-  require(c.head_dim >= 0, layer, ": head_dim must be >= 0, got ", c.head_dim);
-  require(c.num_kv_heads >= 0, layer, ": num_kv_heads must be >= 0 (0 = the default), got ",
-          c.num_kv_heads);
+  require(c.head_dim >= 0, layer, ": head_dim must be >= 0: expected >= 0, got ", c.head_dim);
+  require(c.num_kv_heads >= 0, layer, ": num_kv_heads must be >= 0 (0 = the default): expected ",
+          ">= 0, got ", c.num_kv_heads);
   if (c.rope) require(c.rope_theta > 0, layer, ": rope_theta must be positive: expected > 0, got ",
                       c.rope_theta);
+}
+
+/// Throws unless a layer's `weights` values (computed in double, so that the check itself
+/// cannot overflow) fit comfortably in an Index: sizes that large are a bad config, not a model.
+inline void require_weight_count_fits(double weights, const char* layer) {
+  constexpr double kMax = 9007199254740992.0;  // 2^53
+  require(weights <= kMax, layer, ": the sizes describe ", weights, " weight values: expected at ",
+          "most 2^53");
 }
 
 /// One attention call as the derived layer sees it.
@@ -70,7 +74,7 @@ struct Pass {
   ConstMatrixMap<T> X;        // [B*T, D] rows of x
   Index batch = 0, tokens = 0;
   const KeyValues<T>& kv;     // keys/values to attend to
-  Index first_position = 0;   // RoPE position of x's first token
+  const RopeTable<T>& rope;   // cos/sin of x's positions (empty without RoPE)
   bool causal = false;
   ComputeMode mode = ComputeMode::Auto;
   mutable MatrixMap<T> Y;     // [B*T, D] rows of y (written through a const Pass)
@@ -107,8 +111,10 @@ class AttentionLayer {
     const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
     const Exec exec = lease.exec();
     const Arena::Scope scope(exec.call());
-    const KeyValues<T> kv = keys_values_of(x, opts.position_offset, opts.key_padding_mask, exec);
-    run(x, kv, opts.position_offset, opts, Kind::Self, y, routing, exec);
+    // Keys and queries are the same tokens: one table of their positions serves both.
+    const RopeTable<T> rope = rope_table(opts.position_offset, x.dimension(1), exec.call());
+    const KeyValues<T> kv = keys_values_of(x, rope, opts.key_padding_mask, exec);
+    run(x, kv, rope, opts, Kind::Self, y, routing, exec);
   }
 
   /// Cross-attention: queries (and routing) from x [B, T, D], keys/values from memory
@@ -121,8 +127,11 @@ class AttentionLayer {
     const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
     const Exec exec = lease.exec();
     const Arena::Scope scope(exec.call());
-    const KeyValues<T> kv = keys_values_of(memory, 0, opts.key_padding_mask, exec);
-    run(x, kv, opts.position_offset, opts, Kind::Cross, y, routing, exec);
+    // The memory's keys sit at positions 0.., the queries at position_offset..
+    const RopeTable<T> key_rope = rope_table(0, memory.dimension(1), exec.call());
+    const RopeTable<T> rope = rope_table(opts.position_offset, x.dimension(1), exec.call());
+    const KeyValues<T> kv = keys_values_of(memory, key_rope, opts.key_padding_mask, exec);
+    run(x, kv, rope, opts, Kind::Cross, y, routing, exec);
   }
 
   /// Incremental self-attention: x [B, T_new, D] are the next tokens after those in `cache`;
@@ -137,9 +146,11 @@ class AttentionLayer {
     const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
     const Exec exec = lease.exec();
     const Arena::Scope scope(exec.call());
-    const MatrixMap<T> KV = projected(x, start, exec);
-    append(KV, B, Tq, opts.new_token_padding_mask, cache);
-    run(x, cache_view(cache), start, opts, Kind::Cached, y, routing, exec);
+    const RopeTable<T> rope = rope_table(start, Tq, exec.call());  // new keys and queries alike
+    const MatrixMap<T> KV = projected(x, rope, exec);
+    write_slots(KV, B, Tq, opts.new_token_padding_mask, cache);
+    run(x, cache_view(cache, start + Tq), rope, opts, Kind::Cached, y, routing, exec);
+    KvCacheAccess::commit(cache, Tq);  // only once the call has succeeded
   }
 
   /// Convenience: returns y for self-attention (allocates it).
@@ -212,13 +223,11 @@ class AttentionLayer {
     return ConstMatrixMap<T>(v.data(), rows, cols);
   }
 
-  /// RoPE on `heads` heads of size d at column `col` of each row of M ([B*T, *]), positions
-  /// first + t. No-op when the layer has no RoPE.
-  void rope_rows(RowsRef<T> M, Index col, Index heads, Index batch, Index tokens, Index first,
-                 Arena& arena) const {
-    if (!shape_.rope) return;
-    const Arena::Scope scope(arena);
-    const RopeTable<T> table = rope_table(first, tokens, arena);
+  /// RoPE on `heads` heads of size d at column `col` of each row of M ([B*T, *]), row t of each
+  /// sequence at the table's position t. No-op without a table (a layer without RoPE).
+  void rope_rows(RowsRef<T> M, Index col, Index heads, Index batch, Index tokens,
+                 const RopeTable<T>& table) const {
+    if (!table) return;
     for (Index b = 0; b < batch; ++b)
       for (Index t = 0; t < tokens; ++t)
         for (Index h = 0; h < heads; ++h)
@@ -261,6 +270,8 @@ class AttentionLayer {
       fail(name, ": mode: this layer has no compute modes: expected ComputeMode::Auto, got ",
            o.mode == ComputeMode::Dense ? "Dense" : "Sparse");
     if (kind == Kind::Cached) {
+      check_padding(o.new_token_padding_mask, x.dimension(0), x.dimension(1),
+                    "new_token_padding_mask");
       if (o.position_offset != 0)
         fail(name, ": position_offset: a cached call continues from the cache's length: "
              "expected 0, got ", o.position_offset);
@@ -283,20 +294,21 @@ class AttentionLayer {
             o.position_offset);
   }
 
-  // Keys/values of src's rows [B*S, 2 H_kv d] in the call's arena, keys RoPE'd from `first`.
-  MatrixMap<T> projected(const ConstTensorMap3<T>& src, Index first, const Exec& exec) const {
+  // Keys/values of src's rows [B*S, 2 H_kv d] in the call's arena, keys RoPE'd with `rope`.
+  MatrixMap<T> projected(const ConstTensorMap3<T>& src, const RopeTable<T>& rope,
+                         const Exec& exec) const {
     const Index B = src.dimension(0), S = src.dimension(1);
     MatrixMap<T> KV = exec.call().template matrix<T>(B * S, shape_.kv_width());
     derived().project_keys_values(as_rows(src), KV, exec);
-    rope_rows(KV, 0, shape_.Hkv, B, S, first, exec.call());
+    rope_rows(KV, 0, shape_.Hkv, B, S, rope);
     return KV;
   }
 
-  KeyValues<T> keys_values_of(const ConstTensorMap3<T>& src, Index first,
+  KeyValues<T> keys_values_of(const ConstTensorMap3<T>& src, const RopeTable<T>& rope,
                               const PaddingMask& padding, const Exec& exec) const {
     const Index B = src.dimension(0), S = src.dimension(1);
     check_padding(padding, B, S, "key_padding_mask");
-    const MatrixMap<T> KV = projected(src, first, exec);
+    const MatrixMap<T> KV = projected(src, rope, exec);
     KeyValues<T> kv;
     const Index w = shape_.kv_width(), d = shape_.d;
     kv.k = HeadsView<T>{KV.data(), w, S * w, d};
@@ -317,10 +329,10 @@ class AttentionLayer {
            mask->dimension(0), ", ", mask->dimension(1), "]");
   }
 
-  /// Writes the new tokens' keys/values (KV [B*T, 2 H_kv d]) and padding flags into `cache`.
-  void append(const ConstRowsRef<T>& KV, Index batch, Index tokens, const PaddingMask& padding,
-              KvCache<T>& cache) const {
-    check_padding(padding, batch, tokens, "new_token_padding_mask");
+  /// Writes the new tokens' keys/values (KV [B*T, 2 H_kv d]) and padding flags into the slots
+  /// after the cache's length (which the caller advances once the call has succeeded).
+  void write_slots(const ConstRowsRef<T>& KV, Index batch, Index tokens,
+                   const PaddingMask& padding, KvCache<T>& cache) const {
     const Index start = cache.length(), d = shape_.d, Hkv = shape_.Hkv;
     for (Index b = 0; b < batch; ++b)
       for (Index t = 0; t < tokens; ++t) {
@@ -332,27 +344,26 @@ class AttentionLayer {
         }
         KvCacheAccess::set_padding(cache, b, start + t, padding ? (*padding)(b, t) : false);
       }
-    KvCacheAccess::commit(cache, tokens);
   }
 
-  /// The whole cache as keys/values to attend to.
-  static KeyValues<T> cache_view(const KvCache<T>& cache) {
+  /// The cache's first `length` slots as keys/values to attend to.
+  static KeyValues<T> cache_view(const KvCache<T>& cache, Index length) {
     KeyValues<T> kv;
     const Index cap = cache.capacity(), d = cache.head_dim();
     kv.k = HeadsView<T>{cache.keys(0, 0), d, cache.kv_heads() * cap * d, cap * d};
     kv.v = HeadsView<T>{cache.values(0, 0), d, cache.kv_heads() * cap * d, cap * d};
-    kv.keys = cache.length();
+    kv.keys = length;
     kv.kv_heads = cache.kv_heads();
     kv.padding = KvCacheAccess::padding(cache, 0);
     kv.padding_stride = cap;
     return kv;
   }
 
-  void run(const ConstTensorMap3<T>& x, const KeyValues<T>& kv, Index first,
+  void run(const ConstTensorMap3<T>& x, const KeyValues<T>& kv, const RopeTable<T>& rope,
            const ForwardOptions& o, Kind kind, TensorMap3<T>& y, Routing* routing,
            const Exec& exec) const {
     const bool causal = o.causal == Causal::On || (o.causal == Causal::Auto && kind == Kind::Cached);
-    const Pass<T, Routing> pass{as_rows(x), x.dimension(0), x.dimension(1), kv, first, causal,
+    const Pass<T, Routing> pass{as_rows(x), x.dimension(0), x.dimension(1), kv, rope, causal,
                                 o.mode, as_rows(y), routing, exec};
     derived().attend(pass);
   }

@@ -147,6 +147,11 @@ HeadShape heads_shape(const Config& c, const char* layer) {
   s.Hkv = c.num_kv_heads ? c.num_kv_heads : c.num_heads;
   require(s.Hkv <= s.H && s.H % s.Hkv == 0, layer,
           ": num_kv_heads must divide num_heads: expected a divisor of ", s.H, ", got ", s.Hkv);
+  require_weight_count_fits(
+      (static_cast<double>(s.H) + 2.0 * static_cast<double>(s.Hkv)) * static_cast<double>(s.d) *
+              static_cast<double>(s.D) +
+          static_cast<double>(s.D) * static_cast<double>(s.H) * static_cast<double>(s.d),
+      layer);
   s.rope = c.rope;
   s.rope_theta = c.rope_theta;
   if (s.rope) require(s.d % 2 == 0, layer, ": RoPE needs an even head_dim: expected even, got ", s.d);

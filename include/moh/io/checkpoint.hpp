@@ -84,6 +84,24 @@ std::vector<T> read_weight(const TensorSource& src, const std::string& prefix, c
   fail("tensor '", prefix, w.name, "' missing in ", src.source(), ": expected it", other);
 }
 
+/// The values of every tensor in `infos`, read and shape-checked against `src`.
+template <class T>
+std::vector<std::vector<T>> read_weights(const TensorSource& src, const std::string& prefix,
+                                         const std::vector<WeightInfo>& infos) {
+  std::vector<std::vector<T>> values;
+  for (const WeightInfo& w : infos) values.push_back(read_weight<T>(src, prefix, w));
+  return values;
+}
+
+template <class Layer, class T>
+void set_weights(Layer& layer, const std::vector<std::vector<T>>& values) {
+  std::size_t i = 0;
+  for (const WeightInfo& w : layer.weight_infos()) {
+    layer.set_weight(w.name, values[i].data(), static_cast<Index>(values[i].size()));
+    ++i;
+  }
+}
+
 }  // namespace detail
 
 /// Loads every tensor of `layer` (MultiHeadAttention, MoHAttention, MoAAttention) from `src`
@@ -91,14 +109,8 @@ std::vector<T> read_weight(const TensorSource& src, const std::string& prefix, c
 /// unchanged.
 template <class Layer>
 void load_weights(Layer& layer, const TensorSource& src, const std::string& prefix = "") {
-  using T = typename Layer::Scalar;
-  std::vector<std::vector<T>> values;
-  for (const WeightInfo& w : layer.weight_infos()) values.push_back(detail::read_weight<T>(src, prefix, w));
-  std::size_t i = 0;
-  for (const WeightInfo& w : layer.weight_infos()) {
-    layer.set_weight(w.name, values[i].data(), static_cast<Index>(values[i].size()));
-    ++i;
-  }
+  detail::set_weights(
+      layer, detail::read_weights<typename Layer::Scalar>(src, prefix, layer.weight_infos()));
 }
 
 namespace detail {
@@ -160,9 +172,11 @@ class ConfigReader {
   }
   /// Throws if the object holds a key no read() asked for (a typo or a newer format).
   void finish() const {
+    std::string known;
+    for (const std::string& key : seen_) known += (known.empty() ? "" : ", ") + key;
     for (auto it = j_.begin(); it != j_.end(); ++it)
       if (it.key() != "layer" && !seen_.count(it.key()))
-        fail(where_, ": unknown key '", it.key(), "'");
+        fail(where_, ": unknown key '", it.key(), "': expected one of layer, ", known);
   }
 
  private:
@@ -188,17 +202,8 @@ Config load_config(const TensorSource& st, const std::string& prefix = "") {
   const std::string key = config_key(prefix);
   const std::string where = "metadata '" + key + "' in " + st.source();
   const std::string& text = st.metadata_value(key);
-  const auto* bytes = reinterpret_cast<const std::uint8_t*>(text.data());
-  if (detail::json_nesting_exceeds(bytes, text.size(), detail::kMaxJsonDepth))
-    detail::fail(where, ": expected a flat JSON object, got nesting deeper than ",
-                 detail::kMaxJsonDepth);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    detail::fail(where, ": expected a JSON object, got invalid JSON: ", e.what());
-  }
-  if (!j.is_object()) detail::fail(where, ": expected a JSON object, got ", detail::describe_json(j));
+  const nlohmann::json j = detail::parse_json_strictly(
+      reinterpret_cast<const std::uint8_t*>(text.data()), text.size(), where + ": ", "config");
   const auto layer = j.find("layer");
   if (layer == j.end() || !layer->is_string() || layer->get<std::string>() != Config::kLayer)
     detail::fail(where, ": 'layer': expected \"", Config::kLayer, "\", got ",
@@ -212,11 +217,16 @@ Config load_config(const TensorSource& st, const std::string& prefix = "") {
 }
 
 /// Builds a layer (MultiHeadAttention<T>, MoHAttention<T>, MoAAttention<T>) from the config and
-/// weights save_weights() wrote under `prefix`.
+/// weights save_weights() wrote under `prefix`. The weights are read (and checked against the
+/// config's shapes) before the layer is built, so a config that describes a layer larger than
+/// the file is an error, not an allocation of that size.
 template <class Layer>
 Layer load_layer(const TensorSource& st, const std::string& prefix = "") {
-  Layer layer(load_config<typename Layer::Config>(st, prefix));
-  load_weights(layer, st, prefix);
+  const typename Layer::Config config = load_config<typename Layer::Config>(st, prefix);
+  const auto values =
+      detail::read_weights<typename Layer::Scalar>(st, prefix, Layer::weight_infos(config));
+  Layer layer(config);
+  detail::set_weights(layer, values);
   return layer;
 }
 

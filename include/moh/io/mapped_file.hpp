@@ -63,6 +63,16 @@ class SharedBytes {
   bool mapped_ = false;
 };
 
+/// What a file that is not a regular one is, for messages.
+inline const char* file_kind(bool directory, bool character, bool block, bool fifo, bool socket) {
+  return directory ? "a directory"
+         : character ? "a character device"
+         : block     ? "a block device"
+         : fifo      ? "a FIFO"
+         : socket    ? "a socket"
+                     : "not a regular file";
+}
+
 /// Throws unless `path` names a regular file (after following links); `what` names the file's
 /// role in the message, e.g. "safetensors file".
 inline void require_regular_file(const std::string& path, const char* what) {
@@ -74,13 +84,9 @@ inline void require_regular_file(const std::string& path, const char* what) {
          ec.message());
   }
   if (fs::is_regular_file(status)) return;
-  const char* kind = fs::is_directory(status)   ? "a directory"
-                     : fs::is_character_file(status) ? "a character device"
-                     : fs::is_block_file(status) ? "a block device"
-                     : fs::is_fifo(status)       ? "a FIFO"
-                     : fs::is_socket(status)     ? "a socket"
-                                                 : "not a regular file";
-  fail(what, " '", path, "': expected a regular file, got ", kind);
+  fail(what, " '", path, "': expected a regular file, got ",
+       file_kind(fs::is_directory(status), fs::is_character_file(status),
+                 fs::is_block_file(status), fs::is_fifo(status), fs::is_socket(status)));
 }
 
 /// Reads the whole file at `path` into memory (the fallback where mmap is unavailable).
@@ -118,13 +124,9 @@ inline SharedBytes map_file(const std::string& path, const char* what) {
          errno_text(errno));
   }
   if (!S_ISREG(st.st_mode)) {
-    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
-                       : S_ISCHR(st.st_mode)  ? "a character device"
-                       : S_ISBLK(st.st_mode)  ? "a block device"
-                       : S_ISFIFO(st.st_mode) ? "a FIFO"
-                       : S_ISSOCK(st.st_mode) ? "a socket"
-                                              : "not a regular file";
-    fail(what, " '", path, "': expected a regular file, got ", kind);
+    fail(what, " '", path, "': expected a regular file, got ",
+         file_kind(S_ISDIR(st.st_mode), S_ISCHR(st.st_mode), S_ISBLK(st.st_mode),
+                   S_ISFIFO(st.st_mode), S_ISSOCK(st.st_mode)));
   }
   const std::uint64_t file_size = static_cast<std::uint64_t>(st.st_size);
   if constexpr (sizeof(std::size_t) < sizeof(std::uint64_t)) {

@@ -51,7 +51,7 @@ class ShardedSafeTensors : public TensorSource {
       out.read_index(path);
     } else {
       out.shards_.push_back(SafeTensors::open(path));
-      static_cast<TensorSource&>(out) = out.shards_[0];
+      out.TensorSource::operator=(out.shards_[0]);  // the file's entries, metadata and bytes
     }
     return out;
   }
@@ -114,6 +114,7 @@ class ShardedSafeTensors : public TensorSource {
         try {
           shards_.push_back(SafeTensors::open(file));
           files_.push_back(shards_.back().source());
+          storage_.push_back(storage_of(shards_.back()));  // copies of this source keep it mapped
         } catch (const Error& e) {
           std::string reason = e.what();
           if (reason.rfind("moh: ", 0) == 0) reason.erase(0, 5);

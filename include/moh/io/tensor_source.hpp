@@ -133,6 +133,19 @@ class TensorSource {
   static const Entry& entry_in(const TensorSource& source, const std::string& name) {
     return source.entry(name);
   }
+  /// The bytes another single-file source (a shard) keeps alive.
+  static const detail::SharedBytes& storage_of(const TensorSource& source) {
+    return source.storage_.front();
+  }
+
+  // A source is copied as what it is (SafeTensors, ShardedSafeTensors), never sliced to a bare
+  // TensorSource; take one by reference.
+  TensorSource() = default;
+  TensorSource(const TensorSource&) = default;
+  TensorSource& operator=(const TensorSource&) = default;
+  TensorSource(TensorSource&&) noexcept = default;
+  TensorSource& operator=(TensorSource&&) noexcept = default;
+  ~TensorSource() = default;
 
  private:
   const Entry& entry(const std::string& name) const {

@@ -46,9 +46,6 @@ struct AttentionConfig {
 struct HeadsConfig : AttentionConfig {
   Index num_heads = 0;  // H
 
-  Index head_size() const { return head_dim ? head_dim : (num_heads ? embed_dim / num_heads : 0); }
-  Index kv_heads() const { return num_kv_heads ? num_kv_heads : num_heads; }
-
   template <class Self, class Visitor>
   static void fields(Self& c, Visitor&& v) {
     AttentionConfig::fields(c, v);

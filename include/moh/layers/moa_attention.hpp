@@ -48,6 +48,12 @@ struct MoAConfig : AttentionConfig {
     detail::require(top_k >= 1 && top_k <= num_experts,
                     "MoAAttention: top_k must be in [1, num_experts]: expected 1..", num_experts,
                     ", got ", top_k);
+    detail::require_weight_count_fits((2.0 * static_cast<double>(num_experts) + 2.0) *
+                                              static_cast<double>(embed_dim) *
+                                              static_cast<double>(head_dim) +
+                                          static_cast<double>(embed_dim) *
+                                              static_cast<double>(num_experts),
+                                      kLayer);
   }
 
   template <class Self, class Visitor>

@@ -41,7 +41,7 @@ struct MoHConfig : HeadsConfig {
   }
   /// Throws moh::Error on impossible settings.
   void validate() const {
-    detail::heads_shape(*this, "MoHAttention");
+    detail::heads_shape(*this, kLayer);
     detail::require(shared_heads >= 0 && shared_heads <= num_heads,
                     "MoHAttention: shared_heads must be in [0, num_heads]: expected 0..",
                     num_heads, ", got ", shared_heads);
@@ -192,7 +192,7 @@ class MoHAttention : public detail::AttentionLayer<MoHAttention<T>, T, MoHRoutin
 
     if (dense) {
       // Reference: every head, then each head's output scaled by its gate.
-      this->rope_rows(Q, 0, H, B, Tq, p.first_position, call);
+      this->rope_rows(Q, 0, H, B, Tq, p.rope);
       MatrixMap<T> C = call.matrix<T>(B * Tq, q_width());
       detail::attend_heads<T>(detail::HeadsView<T>{Q.data(), Q.cols(), Tq * Q.cols(), d}, p.kv,
                               B, Tq, H, d, p.causal, C.data(), p.exec);
@@ -205,7 +205,7 @@ class MoHAttention : public detail::AttentionLayer<MoHAttention<T>, T, MoHRoutin
     detail::HeadPlan<T> plan;
     plan.build(call, H, B, Tq, [&](Index row, Index h) { return g.on(row, h); },
                [&](Index row, Index h) { return g.gate(row, h); });
-    const RopeTable<T> rope = this->rope_table(p.first_position, Tq, call);
+    const RopeTable<T>& rope = p.rope;
     auto project_q = [&](Index h, const Index* rows, const ConstRowsRef<T>& Xg, RowsRef<T> Qh,
                          detail::Arena& arena) {
       if (query_norm) {

@@ -28,7 +28,7 @@ struct MHAConfig : HeadsConfig {
   bool bias = true;  // biases on the input and output projections
 
   /// Throws moh::Error on impossible settings.
-  void validate() const { detail::heads_shape(*this, "MultiHeadAttention"); }
+  void validate() const { detail::heads_shape(*this, kLayer); }
 
   template <class Self, class Visitor>
   static void fields(Self& c, Visitor&& v) {
@@ -116,7 +116,7 @@ class MultiHeadAttention
     MatrixMap<T> Q = call.matrix<T>(p.batch * p.tokens, w);
     MatrixMap<T> C = call.matrix<T>(p.batch * p.tokens, w);
     proj_.project_q(p.X, Q, p.exec);
-    this->rope_rows(Q, 0, s.H, p.batch, p.tokens, p.first_position, call);
+    this->rope_rows(Q, 0, s.H, p.batch, p.tokens, p.rope);
     detail::attend_heads<T>(detail::HeadsView<T>{Q.data(), w, p.tokens * w, s.d}, p.kv, p.batch,
                             p.tokens, s.H, s.d, p.causal, C.data(), p.exec);
     proj_.project_out(C, p.Y, p.exec);

@@ -68,6 +68,9 @@ struct ForwardOptions {
   Index position_offset = 0;
 };
 
+/// The routing record of a layer that routes nothing (MultiHeadAttention's last argument).
+struct NoRouting {};
+
 /// Maps a moh::Mask for ForwardOptions' padding masks.
 inline MaskMap map_mask(const Mask& mask) {
   return MaskMap(mask.data(), mask.dimension(0), mask.dimension(1));

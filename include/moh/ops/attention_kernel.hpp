@@ -317,7 +317,7 @@ void attention(const AttentionQueries<T>& queries, const AttentionKeysValues<T>&
                   ", got queries ", queries.stride, ", keys ", kv.key_stride, ", values ",
                   kv.value_stride, ", output ", output.stride);
   const detail::WorkspaceLease lease(workspace, nullptr, "attention");
-  detail::attend<T>(queries, kv, mask, output, lease.get().call());
+  detail::attend<T>(queries, kv, mask, output, lease.exec().call());
 }
 
 }  // namespace moh

@@ -48,8 +48,16 @@ class RopeTable {
   RopeTable() = default;
   RopeTable(Index first, Index count, Index d, double base, T* storage)
       : d_(d), table_(storage) {
-    for (Index i = 0; i < count; ++i)
-      rope_angles(first + i, d, base, table_ + i * d, table_ + i * d + d / 2);
+    // rope_angles() for each position, with each frequency's pow computed once: the same bits.
+    const Index half = d / 2;
+    for (Index j = 0; j < half; ++j) {
+      const double theta = std::pow(base, -2.0 * static_cast<double>(j) / static_cast<double>(d));
+      for (Index i = 0; i < count; ++i) {
+        const double angle = static_cast<double>(first + i) * theta;
+        table_[i * d + j] = static_cast<T>(std::cos(angle));
+        table_[i * d + half + j] = static_cast<T>(std::sin(angle));
+      }
+    }
   }
   static Index storage_size(Index count, Index d) { return count * d; }
   /// Rotates head vector x[0, d) as at position first + i.

@@ -44,6 +44,8 @@ class WeightMatrix {
   WeightMatrix(Index rows, Index cols, WeightStorage storage, Index panel = 0)
       : rows_(rows), cols_(cols), panel_(panel > 0 ? std::min(panel, cols) : cols),
         storage_(storage) {
+    detail::require(rows >= 0 && cols >= 0 && panel >= 0, "WeightMatrix: sizes must be >= 0: ",
+                    "expected rows, cols, panel >= 0, got ", rows, ", ", cols, ", ", panel);
     if (storage_ == WeightStorage::Native)
       native_.setZero(rows * cols);
     else
@@ -75,10 +77,12 @@ class WeightMatrix {
     return out;
   }
 
-  /// Overwrites rows [first, first + w.rows()) with `w` (rounded for bfloat16 storage). The
-  /// caller checks shapes.
+  /// Overwrites rows [first, first + w.rows()) with `w` (rounded for bfloat16 storage).
   void set_rows(Index first, const ConstRowsRef<T>& w) {
-    eigen_assert(w.cols() == cols_ && first >= 0 && first + w.rows() <= rows_);
+    if (w.cols() != cols_ || first < 0 || first + w.rows() > rows_)
+      detail::fail("WeightMatrix::set_rows: expected at most ", rows_ - std::max<Index>(first, 0),
+                   " rows of ", cols_, " columns from row ", first, " of a [", rows_, ", ", cols_,
+                   "] matrix, got [", w.rows(), ", ", w.cols(), "]");
     for (Index j0 = 0; j0 < cols_; j0 += panel_) {
       const Index pw = width(j0), at = rows_ * j0 + first * pw;
       if (storage_ == WeightStorage::Native) {
@@ -91,7 +95,13 @@ class WeightMatrix {
               float_to_bfloat16(static_cast<float>(w(i, j0 + j)));
     }
   }
-  void set(const ConstRowsRef<T>& w) { set_rows(0, w); }
+  /// Overwrites the whole matrix with `w` [rows, cols].
+  void set(const ConstRowsRef<T>& w) {
+    if (w.rows() != rows_ || w.cols() != cols_)
+      detail::fail("WeightMatrix::set: expected shape [", rows_, ", ", cols_, "], got [",
+                   w.rows(), ", ", w.cols(), "]");
+    set_rows(0, w);
+  }
 
   /// This matrix from element (r0, c0) on as the B operand of detail::gemm(): B = W^T
   /// (B(k, n) = W(r0 + n, c0 + k)) when `transposed`, else B(k, n) = W(r0 + k, c0 + n). An

@@ -5,10 +5,11 @@
 // come from a Workspace the caller passes in ForwardOptions (or to linear() and attention()):
 // one arena for the call itself and one per thread of the pool (the calling thread is 0). An
 // arena hands out memory by bumping a pointer and takes it all back at the end of the scope
-// that asked for it, so a call of a given shape needs the same bytes every time: after the
-// first (warm-up) call, calls of that shape or smaller allocate nothing. The bytes held are the
-// most a single call has needed (bounded by the shapes seen), bytes() reports them and
-// release() frees them.
+// that asked for it, so a call of a given shape needs the same bytes every time, whichever
+// thread runs which task: after the first (warm-up) call, calls of that shape or a smaller one
+// take no memory from the system. The bytes held are the most a single call has needed
+// (bounded by the shapes seen); bytes() reports them and release() frees them. (A routing
+// record the caller passes is the caller's: its matrices are resized when the shape changes.)
 //
 //   moh::Workspace ws;             // empty; grows on the first call
 //   moh::ForwardOptions opts;
@@ -94,18 +95,12 @@ class Arena {
   std::size_t peak() const { return peak_; }
   /// Makes the arena one block of at least `bytes` (nothing may be in use), so that a later use
   /// of up to that many bytes allocates nothing.
-  void reserve(std::size_t bytes) {
+  /// Never throws: when the memory is not there, the arena stays as it was.
+  void reserve(std::size_t bytes) noexcept {
     eigen_assert(in_use() == 0);
     bytes = (bytes + kAlign - 1) / kAlign * kAlign;
-    if (blocks_.size() == 1 && blocks_[0].size >= bytes) return;
-    if (bytes == 0) return;
-    blocks_.clear();
-    Block b;
-    b.data.reset(::operator new(bytes, std::align_val_t(kAlign)));
-    b.size = bytes;
-    blocks_.push_back(std::move(b));
-    block_ = used_ = 0;
-    peak_ = std::max(peak_, bytes);
+    if (bytes == 0 || (blocks_.size() == 1 && blocks_[0].size >= bytes)) return;
+    replace_with_one_block(bytes);
   }
   /// Frees every block (nothing may be in use).
   void release() {
@@ -152,15 +147,28 @@ class Arena {
   void rewind(std::size_t block, std::size_t used) {
     block_ = block;
     used_ = used;
-    if (block == 0 && used == 0 && blocks_.size() > 1) {
-      // The call spilled: next time, one block of the most it needed.
-      const std::size_t size = (peak_ + kAlign - 1) / kAlign * kAlign;
-      blocks_.clear();
-      Block b;
-      b.data.reset(::operator new(size, std::align_val_t(kAlign)));
-      b.size = size;
-      blocks_.push_back(std::move(b));
+    // The call spilled: next time, one block of the most it needed.
+    if (block == 0 && used == 0 && blocks_.size() > 1)
+      replace_with_one_block((peak_ + kAlign - 1) / kAlign * kAlign);
+  }
+
+  /// Frees every block for one of `bytes` (nothing in use); keeps them if the memory is not
+  /// there, so that a scope's destructor and settling a workspace never throw.
+  void replace_with_one_block(std::size_t bytes) noexcept {
+    void* p = ::operator new(bytes, std::align_val_t(kAlign), std::nothrow);
+    if (p == nullptr) return;
+    Block b;
+    b.data.reset(p);
+    b.size = bytes;
+    try {
+      if (blocks_.capacity() == 0) blocks_.reserve(1);  // the only allocation that may fail
+    } catch (...) {
+      return;  // b frees p
     }
+    blocks_.clear();  // keeps the capacity
+    blocks_.push_back(std::move(b));
+    block_ = used_ = 0;
+    peak_ = std::max(peak_, bytes);
   }
 
   std::vector<Block> blocks_;
@@ -195,54 +203,49 @@ class Workspace {
     threads_.clear();
   }
 
-  /// The arena of the call (its thread between parallel regions).
-  detail::Arena& call() { return call_; }
-  /// The arena of pool thread `thread` (0 = the calling thread); prepare() made it.
-  detail::Arena& thread(int thread) {
-    eigen_assert(thread >= 0 && static_cast<std::size_t>(thread) < threads_.size());
-    return *threads_[static_cast<std::size_t>(thread)];
-  }
-  /// Makes sure `threads` per-thread arenas exist (allocates only when the pool grew).
-  void prepare(int threads) {
-    while (threads_.size() < static_cast<std::size_t>(threads))
-      threads_.push_back(std::make_unique<detail::Arena>());
-  }
-  /// After a call: grows every thread's arena to the most any of them needed. Which thread runs
-  /// which task varies from call to call, so without this a warm call could hand a thread a
-  /// task larger than any it ran before.
-  void settle() {
-    std::size_t most = 0;
-    for (const auto& t : threads_) most = std::max(most, t->peak());
-    for (const auto& t : threads_) t->reserve(most);
-  }
-
  private:
   friend struct detail::WorkspaceAccess;
-  bool try_acquire() {
-    bool expected = false;
-    return busy_.compare_exchange_strong(expected, true);
-  }
-  void finish() { busy_.store(false); }
 
-  detail::Arena call_;
-  std::vector<std::unique_ptr<detail::Arena>> threads_;
+  detail::Arena call_;                                    // the call's, between parallel regions
+  std::vector<std::unique_ptr<detail::Arena>> threads_;  // one per pool thread (0 = the caller)
   std::atomic<bool> busy_{false};
 };
 
 namespace detail {
 
-/// Internal: acquires and releases a workspace for one call.
+/// What only the library does with a workspace, during a call it leased it for.
 struct WorkspaceAccess {
-  static bool try_acquire(Workspace& w) { return w.try_acquire(); }
-  static void finish(Workspace& w) { w.finish(); }
+  static bool try_acquire(Workspace& w) {
+    bool expected = false;
+    return w.busy_.compare_exchange_strong(expected, true);
+  }
+  static void finish(Workspace& w) { w.busy_.store(false); }
+  static Arena& call(Workspace& w) { return w.call_; }
+  static Arena& thread(Workspace& w, int t) {
+    eigen_assert(t >= 0 && static_cast<std::size_t>(t) < w.threads_.size());
+    return *w.threads_[static_cast<std::size_t>(t)];
+  }
+  /// Makes sure `threads` per-thread arenas exist (allocates only when the pool grew).
+  static void prepare(Workspace& w, int threads) {
+    while (w.threads_.size() < static_cast<std::size_t>(threads))
+      w.threads_.push_back(std::make_unique<Arena>());
+  }
+  /// After a call: grows every thread's arena to the most any of them needed. Which thread runs
+  /// which task varies from call to call, so without this a warm call could hand a thread a
+  /// task larger than any it ran before. Never throws (a failed growth is retried next time).
+  static void settle(Workspace& w) noexcept {
+    std::size_t most = 0;
+    for (const auto& t : w.threads_) most = std::max(most, t->peak());
+    for (const auto& t : w.threads_) t->reserve(most);
+  }
 };
 
 /// What a call runs on: its threads (null: the calling thread only) and its workspace.
 struct Exec {
   ThreadPool* pool = nullptr;
   Workspace* ws = nullptr;
-  Arena& call() const { return ws->call(); }
-  Arena& thread(int t) const { return ws->thread(t); }
+  Arena& call() const { return WorkspaceAccess::call(*ws); }
+  Arena& thread(int t) const { return WorkspaceAccess::thread(*ws, t); }
 };
 
 /// The workspace of one call: the caller's (marked busy for the call) or a temporary one.
@@ -250,7 +253,6 @@ class WorkspaceLease {
  public:
   /// Leases `given` (or a temporary) with arenas for every thread a parallel_for on `pool` uses.
   WorkspaceLease(Workspace* given, ThreadPool* pool, const char* who) : pool_(pool) {
-    const int threads = thread_slots(pool);
     if (given == nullptr) {
       own_ = std::make_unique<Workspace>();
       ws_ = own_.get();
@@ -259,13 +261,9 @@ class WorkspaceLease {
               ": workspace is in use by another call: expected a workspace that no call is "
               "using (one per calling thread), got a busy one");
       ws_ = given;
+      held_.ws = given;  // from here on, released even if the rest of construction throws
     }
-    ws_->prepare(threads);
-  }
-  ~WorkspaceLease() {
-    if (own_ != nullptr) return;  // a temporary: freed now
-    ws_->settle();
-    WorkspaceAccess::finish(*ws_);
+    WorkspaceAccess::prepare(*ws_, thread_slots(pool));
   }
   WorkspaceLease(const WorkspaceLease&) = delete;
   WorkspaceLease& operator=(const WorkspaceLease&) = delete;
@@ -274,7 +272,18 @@ class WorkspaceLease {
   Exec exec() const { return Exec{pool_, ws_}; }
 
  private:
+  /// Settles and releases the caller's workspace when the lease ends (or fails to start).
+  struct Held {
+    Workspace* ws = nullptr;
+    ~Held() {
+      if (ws == nullptr) return;
+      WorkspaceAccess::settle(*ws);
+      WorkspaceAccess::finish(*ws);
+    }
+  };
+
   ThreadPool* pool_ = nullptr;
+  Held held_;
   std::unique_ptr<Workspace> own_;
   Workspace* ws_ = nullptr;
 };
