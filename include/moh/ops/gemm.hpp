@@ -355,9 +355,12 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
   }
   const Index nc_max = std::min(NC, (N + NR - 1) / NR * NR);
   const Index kc_max = std::min(KC, K);
+  // The packs start on a page of their own: at whatever 64-byte offset follows a task's other
+  // buffers, MoH at the ViT shape measured 3% slower (interleaved A/B), as the panel's rows met
+  // the rows of A and C in the same cache sets.
   Arena::Scope scope(arena);
-  T* bp = arena.allocate<T>(kc_max * nc_max);
-  T* ap = arena.allocate<T>(kc_max * MR);
+  T* bp = arena.allocate<T>(kc_max * nc_max, Arena::kPageBytes);
+  T* ap = arena.allocate<T>(kc_max * MR, Arena::kPageBytes);
   alignas(64) T edge[MR * NR] = {};
 
   for (Index j0 = 0; j0 < N; j0 += NC) {

@@ -45,6 +45,7 @@ namespace detail {
 class Arena {
  public:
   static constexpr std::size_t kAlign = 64;
+  static constexpr std::size_t kPageBytes = 4096;
 
   Arena() = default;
   Arena(const Arena&) = delete;
@@ -52,12 +53,18 @@ class Arena {
   Arena(Arena&&) noexcept = default;
   Arena& operator=(Arena&&) noexcept = default;
 
-  /// Room for `count` values of T (trivially destructible types only).
+  /// Room for `count` values of T (trivially destructible types only), aligned to `align` bytes
+  /// (64, or a larger power of two such as kPageBytes).
   template <class T>
-  T* allocate(Index count) {
+  T* allocate(Index count, std::size_t align = kAlign) {
     static_assert(std::is_trivially_destructible<T>::value, "Arena holds plain data only");
     require(count >= 0, "Arena: count must be >= 0: expected >= 0, got ", count);
-    return static_cast<T*>(allocate_bytes(static_cast<std::size_t>(count) * sizeof(T)));
+    eigen_assert(align >= kAlign && (align & (align - 1)) == 0);
+    if (align == kAlign)
+      return static_cast<T*>(allocate_bytes(static_cast<std::size_t>(count) * sizeof(T)));
+    const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(
+        allocate_bytes(static_cast<std::size_t>(count) * sizeof(T) + align - kAlign));
+    return reinterpret_cast<T*>((p + align - 1) / align * align);
   }
 
   /// A [rows, cols] row-major matrix view in the arena (contents unspecified).
