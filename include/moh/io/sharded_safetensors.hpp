@@ -56,9 +56,6 @@ class ShardedSafeTensors : public TensorSource {
     return out;
   }
 
-  /// The opened shards, in the order the weight map first names them.
-  const std::vector<SafeTensors>& shards() const { return shards_; }
-
  private:
   ShardedSafeTensors() = default;
 

@@ -56,8 +56,6 @@ class WeightMatrix {
   Index cols() const { return cols_; }
   /// Columns per panel of the storage (cols when row-major).
   Index panel() const { return panel_; }
-  /// The bfloat16 bits in the storage's layout (BFloat16 storage only).
-  const std::uint16_t* bf16_data() const { return bf16_.data(); }
   WeightStorage storage() const { return storage_; }
   /// Bytes the weights occupy.
   std::size_t bytes() const {
