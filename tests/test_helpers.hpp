@@ -187,7 +187,7 @@ inline moh::MoHConfig moh_config(Index D, Index H, Index shared, Index routed_k,
   c.router = router;
   c.num_kv_heads = kv_heads;
   c.head_dim = head_dim;
-  c.bias = bias;
+  c.qkv_bias = c.proj_bias = bias;
   c.rope = rope;
   return c;
 }

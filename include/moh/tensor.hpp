@@ -23,6 +23,9 @@ using TensorMap3 = Eigen::TensorMap<Tensor3<T>>;
 template <class T>
 using ConstTensorMap3 = Eigen::TensorMap<const Tensor3<T>>;
 
+template <class T>
+using Tensor4 = Eigen::Tensor<T, 4, Eigen::RowMajor, Index>;  // e.g. [batch, heads, tokens, keys]
+
 using Mask = Eigen::Tensor<bool, 2, Eigen::RowMajor, Index>;  // [batch, keys], true = padding
 using MaskMap = Eigen::TensorMap<const Mask>;
 

@@ -148,6 +148,38 @@ TEST_P(WarmForward, MoA) {
   expect_warm_call_allocates_nothing([&] { layer.forward(x, y, dense); });
 }
 
+TEST_P(WarmForward, MoHVitWithBiasAndProbabilities) {
+  // Cosine attention keeps its position bias per grid: computed by the first call, then read.
+  const moh::MoHAttention<float> layer(moh::MoHConfig::vit(64, 8, 2, 2, 7, 7), 1);
+  const moh::Tensor3<float> x = random_tensor<float>(2, 49, 64, 2);
+  moh::Tensor3<float> y(2, 49, 64);
+  moh::Tensor4<float> bias(1, 8, 49, 49), probabilities(2, 8, 49, 49);
+  bias.setZero();
+  moh::ForwardOptions o = opts_;
+  o.attn_bias = bias;
+  o.attention_weights = probabilities;
+  expect_warm_call_allocates_nothing([&] { layer.forward(x, y, opts_); });
+  expect_warm_call_allocates_nothing([&] { layer.forward(x, y, o); });
+  o.mode = moh::ComputeMode::Dense;
+  expect_warm_call_allocates_nothing([&] { layer.forward(x, y, o); });
+}
+
+TEST_P(WarmForward, JetMoEWithQueryPaddingAndAMemoryCache) {
+  moh::MoAConfig c = moh::MoAConfig::jetmoe(64, 4, 8, 2, 16);
+  c.kdim = 24;
+  const moh::MoAAttention<float> layer(c, 1);
+  const moh::Tensor3<float> x = random_tensor<float>(2, 30, 64, 2), memory = random_tensor<float>(2, 17, 24, 3);
+  moh::Tensor3<float> y(2, 30, 64);
+  moh::Mask padding(2, 30);
+  padding.setConstant(false);
+  padding(1, 29) = true;
+  moh::ForwardOptions o = opts_;
+  o.query_padding_mask = moh::map_mask(padding);
+  const moh::KvCache<float> cache = layer.make_memory_cache(memory, opts_);
+  expect_warm_call_allocates_nothing([&] { layer.forward_cross(x, memory, y, o); });
+  expect_warm_call_allocates_nothing([&] { layer.forward_cross(x, cache, y, o); });
+}
+
 TEST_P(WarmForward, DecodeSteps) {
   // A decode step of each layer, from a cache filled by a prompt: after the first step, the
   // next ones (one more cached token each) allocate nothing.
@@ -166,6 +198,7 @@ TEST_P(WarmForward, DecodeSteps) {
   decode(mha);
   decode(moh_layer);
   decode(moa);
+  decode(moh::MoAAttention<float>(moh::MoAConfig::jetmoe(64, 4, 8, 2, 16), 4));
 }
 
 TEST_P(WarmForward, Linear) {

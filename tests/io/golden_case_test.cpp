@@ -409,8 +409,8 @@ TEST(GoldenCase, UnknownTensorIsAnError) {
   const auto run = [](const Bytes& b) {
     return error_of([&] { moh::run_case<float>(moh::SafeTensors::from_bytes(b, "edited")); });
   };
-  std::string msg = run(with_tensor(base.bytes, "attn_bias", {2, 4, 4}, std::vector<float>(32, 0.0f)));
-  EXPECT_TRUE(Mentions(msg, {"case edited", "tensor 'attn_bias'", "is not something this mha case runner uses",
+  std::string msg = run(with_tensor(base.bytes, "alibi_slopes", {2, 4, 4}, std::vector<float>(32, 0.0f)));
+  EXPECT_TRUE(Mentions(msg, {"case edited", "tensor 'alibi_slopes'", "is not something this mha case runner uses",
                              "expected only [", "in_proj_weight", "key_padding_mask", "memory", "x", "y"}))
       << msg;
   msg = run(with_tensor(base.bytes, "wg.weight", {2, 6}, std::vector<float>(12, 0.0f)));
@@ -423,8 +423,8 @@ TEST(GoldenCase, UnknownTensorIsAnError) {
   const Bytes llama = fixture_bytes("moh_llama_prefill.safetensors");
   const Bytes moa = fixture_bytes("moa_basic.safetensors");
   ASSERT_FALSE(moh.empty() || llama.empty() || moa.empty());
-  msg = run(with_tensor(moh, "attn_bias", {1}, {0.0f}));
-  EXPECT_TRUE(Mentions(msg, {"tensor 'attn_bias'", "moh case runner", "wg_1.weight", "aux_loss", "gates"})) << msg;
+  msg = run(with_tensor(moh, "alibi_slopes", {1}, {0.0f}));
+  EXPECT_TRUE(Mentions(msg, {"tensor 'alibi_slopes'", "moh case runner", "wg_1.weight", "aux_loss", "gates"})) << msg;
   msg = run(with_tensor(llama, "q_proj.bias", {64}, std::vector<float>(64, 0.0f)));  // LLaMA has none
   EXPECT_TRUE(Mentions(msg, {"tensor 'q_proj.bias'", "moh_llama case runner", "q_proj.weight", "head_mask"}))
       << msg;

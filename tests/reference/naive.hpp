@@ -395,49 +395,57 @@ struct MoARoute {
   double switch_loss = 0.0, z_loss = 0.0, cv_loss = 0.0;
 };
 
-/// The MoA router (SEMANTICS 5.1 and the losses) from logits [N, E].
-inline MoARoute naive_moa_route(const Mat& logits, int k, bool topk_softmax = false) {
+/// The MoA router (SEMANTICS 5.1 and its losses, with section 9's query padding) from logits
+/// [N, E]. `query_pad` [N] (empty = none): a padded token gets p = 0 and no expert (empty
+/// `selected`, zero gates), and is left out of counts, the switch loss and the cv-loss; the
+/// z-loss mean_t (logsumexp_e l_te)^2 runs over all N tokens, padded ones included (their own
+/// logits). `topk_softmax`: gates = softmax over the k largest logits (JetMoE) instead of the
+/// unrenormalised p_e; p = softmax over all E for the losses either way.
+inline MoARoute naive_moa_route(const Mat& logits, int k, bool topk_softmax = false,
+                                const std::vector<bool>& query_pad = {}) {
   const int N = static_cast<int>(logits.rows()), E = static_cast<int>(logits.cols());
   MoARoute r;
   r.logits = logits;
   r.probs = Mat::Zero(N, E);
   r.gates = Mat::Zero(N, E);
   r.counts.assign(E, 0);
+  r.selected.assign(N, {});
   double z = 0.0;
   for (int n = 0; n < N; ++n) {
     const std::vector<double> l = row(logits, n);
-    const std::vector<double> p = softmax(l);
-    for (int e = 0; e < E; ++e) r.probs(n, e) = p[e];
     const double lse = log_sum_exp(l);
     z += lse * lse;
+    if (!query_pad.empty() && query_pad[n]) continue;  // p = 0, nothing selected
+    const std::vector<double> p = softmax(l);
+    for (int e = 0; e < E; ++e) r.probs(n, e) = p[e];
     const std::vector<int> sel = top_k(p, k);
-    r.selected.push_back(sel);
+    r.selected[n] = sel;
     for (int e : sel) ++r.counts[e];
     if (topk_softmax) {
       std::vector<double> kept;
       for (int e : sel) kept.push_back(l[e]);
-      const std::vector<double> w = softmax(kept);
-      for (int s = 0; s < k; ++s) r.gates(n, sel[s]) = w[s];
+      const std::vector<double> g = softmax(kept);
+      for (int s = 0; s < k; ++s) r.gates(n, sel[s]) = g[s];
     } else {
-      for (int e : sel) r.gates(n, e) = p[e];  // not renormalised
+      for (int e : sel) r.gates(n, e) = p[e];
     }
   }
   if (N == 0) return r;
   r.z_loss = z / N;
-  // switch = E sum_e (sum_t p_te / sum_te p_te) (c_e / sum c)
   double total_p = 0.0, total_c = 0.0;
   for (int n = 0; n < N; ++n)
     for (int e = 0; e < E; ++e) total_p += r.probs(n, e);
   for (int e = 0; e < E; ++e) total_c += r.counts[e];
-  double sw = 0.0;
-  for (int e = 0; e < E; ++e) {
-    double pe = 0.0;
-    for (int n = 0; n < N; ++n) pe += r.probs(n, e);
-    sw += (pe / total_p) * (r.counts[e] / total_c);
+  if (total_c > 0) {
+    double sw = 0.0;
+    for (int e = 0; e < E; ++e) {
+      double pe = 0.0;
+      for (int n = 0; n < N; ++n) pe += r.probs(n, e);
+      sw += (pe / total_p) * (r.counts[e] / total_c);
+    }
+    r.switch_loss = E * sw;
   }
-  r.switch_loss = E * sw;
-  // cv = var(G) / (mean(G)^2 + 1e-10), G_e = sum_t gates normalised to sum 1, unbiased variance.
-  if (E > 1) {
+  if (E > 1 && total_c > 0) {
     std::vector<double> G(E, 0.0);
     double sum = 0.0;
     for (int e = 0; e < E; ++e) {

@@ -66,18 +66,35 @@ AttentionKeysValues<T> head_keys(const KeyValues<T>& kv, Index b, Index g) {
                                 kv.v.row_stride, kv.keys};
 }
 
+/// What a call adds to the scores and asks back from them, layer-wide: an additive bias whose row
+/// for (sequence b, query head h, query t) is at bias + b bias_b + h bias_h + t bias_t (a stride
+/// of 0 broadcasts), and where the probabilities go: row (b, head h, t) of S values at
+/// weights + ((b weights_heads + h) tokens + t) keys. Null pointers: none.
+template <class T>
+struct ScoreExtras {
+  const T* bias = nullptr;
+  Index bias_b = 0, bias_h = 0, bias_t = 0;
+  T* weights = nullptr;
+  Index weights_heads = 0, tokens = 0, keys = 0;
+  Index bias_offset(Index b, Index h, Index t) const { return b * bias_b + h * bias_h + t * bias_t; }
+  Index weights_row(Index b, Index h, Index t) const {
+    return (b * weights_heads + h) * tokens + t;
+  }
+};
+
 /// O[b*T + t, h*d : (h+1)*d] = attention of query head h of token t over kv head
-/// g = h / (H / H_kv). q: [B, T, H heads]; out: row-major [B*T, H*d].
+/// g = h / (H / H_kv), scores scaled by `scale`. q: [B, T, H heads]; out: row-major [B*T, H*d].
 /// Query heads that share a kv head are attended together (their queries gathered into one
 /// block), so each key/value block is read once per group rather than once per query head.
+/// `extras` adds its bias and takes the probabilities of head h as its head h.
 template <class T>
 void attend_heads(const HeadsView<T>& q, const KeyValues<T>& kv, Index batch, Index tokens,
-                  Index heads, Index d, bool causal, T* out, const Exec& exec) {
+                  Index heads, Index d, T scale, bool causal, const ScoreExtras<T>& extras,
+                  T* out, const Exec& exec) {
   const Index group = heads / kv.kv_heads;
   const Index per_block = std::max<Index>(1, kQueryBlock / group);  // tokens per query block
   const Index per_task = per_block * (kTaskRows / kQueryBlock);      // tokens per task
   const Index chunks = blocks_of(tokens, per_task);
-  const T scale = T(1) / std::sqrt(static_cast<T>(d));
   parallel_for(exec.pool, batch * kv.kv_heads * chunks, [&](std::int64_t task, int thread) {
     const Index chunk = task % chunks, g = (task / chunks) % kv.kv_heads;
     const Index b = task / (chunks * kv.kv_heads);
@@ -88,28 +105,41 @@ void attend_heads(const HeadsView<T>& q, const KeyValues<T>& kv, Index batch, In
     const std::optional<PackedKeys<T>> packed =
         maybe_pack(kv, b, g, d, (last - first) * group, scale, arena);
     const AttentionKeysValues<T> keys = head_keys(kv, b, g);
-    // Gathered queries of one block of tokens of the group's heads, and their outputs.
-    MatrixMap<T> gq = arena.matrix<T>(group == 1 ? 0 : per_block * group, d);
-    MatrixMap<T> go = arena.matrix<T>(gq.rows(), d);
-    Index* positions = arena.allocate<Index>(gq.rows());
+    // Gathered queries of one block of tokens of the group's heads, their outputs, and where
+    // their bias and probability rows are.
+    const Index gathered = group == 1 ? 0 : per_block * group;
+    MatrixMap<T> gq = arena.matrix<T>(gathered, d);
+    MatrixMap<T> go = arena.matrix<T>(gathered, d);
+    Index* positions = arena.allocate<Index>(gathered);
+    Index* bias_offsets = arena.allocate<Index>(extras.bias ? gathered : 0);
+    Index* weight_rows = arena.allocate<Index>(extras.weights ? gathered : 0);
     for (Index t0 = first; t0 < last; t0 += per_block) {
       const Index nt = std::min(per_block, last - t0);
       if (group == 1) {  // one head per kv head: attend in place, no gathering
+        const AttentionBias<T> bias{extras.bias ? extras.bias + extras.bias_offset(b, g, 0) : nullptr,
+                                    extras.bias_t, nullptr};
+        const AttentionWeights<T> weights{
+            extras.weights ? extras.weights + extras.weights_row(b, g, t0) * extras.keys : nullptr,
+            extras.keys, nullptr};
         attend<T>(AttentionQueries<T>{q.at(b, t0, g), q.row_stride, nt, d, scale, {nullptr, t0}},
                   keys, mask,
                   AttentionOutput<T>{out + (b * tokens + t0) * heads * d + g * d, heads * d},
-                  arena, packed ? &*packed : nullptr);
+                  arena, packed ? &*packed : nullptr, bias, weights);
         continue;
       }
       const Index n = nt * group;
       for (Index t = 0; t < nt; ++t)
         for (Index j = 0; j < group; ++j) {
-          const Index row = t * group + j;
-          gq.row(row) = Eigen::Map<const Vector<T>>(q.at(b, t0 + t, g * group + j), d).transpose();
+          const Index row = t * group + j, h = g * group + j;
+          gq.row(row) = Eigen::Map<const Vector<T>>(q.at(b, t0 + t, h), d).transpose();
           positions[row] = t0 + t;
+          if (extras.bias) bias_offsets[row] = extras.bias_offset(b, h, t0 + t);
+          if (extras.weights) weight_rows[row] = extras.weights_row(b, h, t0 + t);
         }
       attend<T>(AttentionQueries<T>{gq.data(), d, n, d, scale, {positions, 0}}, keys, mask,
-                AttentionOutput<T>{go.data(), d}, arena, packed ? &*packed : nullptr);
+                AttentionOutput<T>{go.data(), d}, arena, packed ? &*packed : nullptr,
+                AttentionBias<T>{extras.bias, 0, bias_offsets},
+                AttentionWeights<T>{extras.weights, extras.keys, weight_rows});
       for (Index t = 0; t < nt; ++t)
         for (Index j = 0; j < group; ++j)
           Eigen::Map<Vector<T>>(out + (b * tokens + t0 + t) * heads * d + (g * group + j) * d,
@@ -128,13 +158,14 @@ struct HeadPlan {
   Index* rows = nullptr;       // [pairs]
   Index* positions = nullptr;  // [pairs], t of each row
   T* gates = nullptr;          // [pairs]
+  Index* slots = nullptr;      // [pairs], which of the row's picks (build_picked only)
 
   /// Builds the plan from a [B*T, heads] activity mask and gates.
   template <class ActiveFn, class GateFn>
   void build(Arena& arena, Index num_heads, Index b_, Index t_, ActiveFn active, GateFn gate) {
     build_from(arena, num_heads, b_, t_, gate, [&](Index r, auto&& add) {
       for (Index h = 0; h < num_heads; ++h)
-        if (active(r, h)) add(h);
+        if (active(r, h)) add(h, Index(0));
     });
   }
   /// Builds the plan from the k distinct heads pick(r, 0 .. k-1) of each row r, in
@@ -143,7 +174,8 @@ struct HeadPlan {
   void build_picked(Arena& arena, Index num_heads, Index b_, Index t_, Index k, PickFn pick,
                     GateFn gate) {
     build_from(arena, num_heads, b_, t_, gate, [&](Index r, auto&& add) {
-      for (Index s = 0; s < k; ++s) add(pick(r, s));
+      for (Index s = 0; s < k; ++s)
+        if (pick(r, s) >= 0) add(pick(r, s), s);  // -1: no head in this slot (padding)
     });
   }
   Index count(Index h) const { return offsets[h + 1] - offsets[h]; }
@@ -155,7 +187,7 @@ struct HeadPlan {
   }
 
  private:
-  // each_head(r, add) calls add(h) once for every head h that row r uses (distinct heads).
+  // each_head(r, add) calls add(h, slot) once for every head h that row r uses (distinct heads).
   template <class GateFn, class EachHead>
   void build_from(Arena& arena, Index num_heads, Index b_, Index t_, GateFn gate,
                   EachHead each_head) {
@@ -166,7 +198,7 @@ struct HeadPlan {
     offsets = arena.allocate<Index>(heads + 1);
     std::fill(offsets, offsets + heads + 1, Index(0));
     for (Index r = 0; r < n; ++r)
-      each_head(r, [&](Index h) {
+      each_head(r, [&](Index h, Index) {
         eigen_assert(h >= 0 && h < heads);
         ++offsets[h + 1];
       });
@@ -175,15 +207,17 @@ struct HeadPlan {
     rows = arena.allocate<Index>(pairs);
     positions = arena.allocate<Index>(pairs);
     gates = arena.allocate<T>(pairs);
+    slots = arena.allocate<Index>(pairs);
     Index* fill = arena.allocate<Index>(heads);  // next free slot of each head
     std::copy(offsets, offsets + heads, fill);
     for (Index r = 0; r < n; ++r)  // rows in order, so each head's rows ascend
-      each_head(r, [&](Index h) {
+      each_head(r, [&](Index h, Index slot) {
         const Index i = fill[h]++;
         eigen_assert(i == offsets[h] || rows[i - 1] < r);  // a head picked twice for one row
         rows[i] = r;
         positions[i] = r % tokens;
         gates[i] = gate(r, h);
+        slots[i] = slot;
       });
   }
 };
@@ -196,26 +230,36 @@ constexpr Index kRoutedColumnTile = 128;
 // (1 thread, interleaved): at (8, 256, 512) MoA E = 32 (128 rows per expert) column tiles took
 // 0.91x the time of row tiles; MoH at ViT 50-100 % (98-197 rows per head) was 0.97-1.01x.
 constexpr Index kRoutedColumnRows = 256;
+// Heads whose output weights are larger than this (bytes) also project in column tiles: a row
+// tile would stream all of them again for its few rows of each head. JetMoE-8B's experts
+// (2048 x 2048 floats, 16 MiB, ~32 of 128 rows per row tile) took 1.24x the time of dense MHA
+// with row tiles.
+constexpr std::size_t kRoutedRowTileWeightBytes = std::size_t(4) << 20;
 
-/// Runs the routed heads of `plan`:
-///   Q[i]  = project_q(h, X rows of head h)                 (only the picked pairs)
-///   O[i]  = gate[i] * attention(Q[i], keys/values of head h)
+/// Runs the routed heads of `plan`, each a block of `sub_heads` query heads of size d (MoH and
+/// fairseq MoA: 1; a multi-head MoA expert: H_kv):
+///   Q[i]  = project_q(h, X rows of head h)                 (only the picked pairs) [sub_heads d]
+///   O[i]  = gate[i] * attention(sub-head j of Q[i], kv head kv_head(h, j)), for each j
 ///   Y[r] += O rows of head h projected by project_out      (summed over heads in order)
-/// project_q(h, row indices [n], gathered X rows [n, D] (empty unless gather_x), Q out [n, d],
-/// arena) and project_out(h, O [n, d], P [n, m], c0, accumulate, arena) (output columns
-/// [c0, c0 + m) of O's projection, added to P or written) are the layer's per-head GEMMs, with
-/// the running thread's arena. kv_head(h) picks the key/value head. Y must already hold the bias
-/// (or zeros). X: [B*T, D] rows.
-template <class T, class ProjectQ, class ProjectOut, class KvHead>
-void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyValues<T>& kv,
-                   Index d, bool causal, bool gather_x, ProjectQ project_q, ProjectOut project_out,
-                   KvHead kv_head, RowsRef<T> Y, const Exec& exec) {
-  const Index pairs = plan.pairs, D_in = X.cols(), D_out = Y.cols();
+/// project_q(h, row indices [n], gathered X rows [n, D] (empty unless gather_x), Q out
+/// [n, sub_heads d], arena) and project_out(h, O [n, sub_heads d], P [n, m], c0, accumulate,
+/// arena) (output columns [c0, c0 + m) of O's projection, added to P or written) are the
+/// layer's per-head GEMMs, with the running thread's arena. `extras` adds its bias (head index
+/// bias_head(h, j)) and takes the probabilities (head index weights_head(i, h, j), pair i).
+/// Scores are scaled by `scale`. Y must already hold the bias (or zeros). X: [B*T, D] rows.
+template <class T, class ProjectQ, class ProjectOut, class KvHead, class BiasHead,
+          class WeightsHead>
+void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<T>& X,
+                   const KeyValues<T>& kv, Index d, T scale, bool causal, bool gather_x,
+                   ProjectQ project_q, ProjectOut project_out, KvHead kv_head,
+                   const ScoreExtras<T>& extras, BiasHead bias_head, WeightsHead weights_head,
+                   RowsRef<T> Y, const Exec& exec) {
+  const Index pairs = plan.pairs, D_in = X.cols(), D_out = Y.cols(), w = sub_heads * d;
   const Index n_rows = plan.batch * plan.tokens;
   Arena& call = exec.call();
   const Arena::Scope call_scope(call);
-  MatrixMap<T> Q = call.matrix<T>(pairs, d);
-  MatrixMap<T> O = call.matrix<T>(pairs, d);
+  MatrixMap<T> Q = call.matrix<T>(pairs, w);
+  MatrixMap<T> O = call.matrix<T>(pairs, w);
 
   // 1. Queries of the picked pairs, per head, in fixed tiles of that head's rows.
   Index tiles = 0;
@@ -244,20 +288,22 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
     project_q(h, plan.rows + i0, g, Q.middleRows(i0, n), arena);
   });
 
-  // 2. Attention, per kv head, sequence and block of queries: the picked pairs of every query
-  //    head that reads kv head g are gathered into one block, so each key/value block is read
-  //    once per block of queries, and a kv head that no picked pair reads is never touched.
-  //    Within a head the rows of one sequence are one contiguous run (rows are sorted).
-  Index* kv_of_head = call.allocate<Index>(plan.heads);
+  // 2. Attention, per kv head, sequence and block of queries: the picked (pair, sub-head) queries
+  //    that read kv head g are gathered into one block, so each key/value block is read once per
+  //    block of queries, and a kv head that no picked pair reads is never touched. Within a head
+  //    the rows of one sequence are one contiguous run (rows are sorted).
+  Index* kv_of = call.allocate<Index>(plan.heads * sub_heads);  // [head, sub-head]
   Index kv_heads_used = 0;
-  for (Index h = 0; h < plan.heads; ++h) {
-    kv_of_head[h] = kv_head(h);
-    kv_heads_used = std::max(kv_heads_used, kv_of_head[h] + 1);
-  }
-  // Pair indices grouped by (kv head, sequence), and tasks as ranges of that order: at most one
-  // task per kTaskRows pairs plus one per (kv head, sequence).
-  Index* order = call.allocate<Index>(pairs);
-  const Index max_tasks = blocks_of(pairs, kTaskRows) + kv_heads_used * plan.batch;
+  for (Index h = 0; h < plan.heads; ++h)
+    for (Index j = 0; j < sub_heads; ++j) {
+      kv_of[h * sub_heads + j] = kv_head(h, j);
+      kv_heads_used = std::max(kv_heads_used, kv_of[h * sub_heads + j] + 1);
+    }
+  // Queries as pair * sub_heads + sub-head, grouped by (kv head, sequence), and tasks as ranges
+  // of that order: at most one task per kTaskRows queries plus one per (kv head, sequence).
+  const Index queries = pairs * sub_heads;
+  Index* order = call.allocate<Index>(queries);
+  const Index max_tasks = blocks_of(queries, kTaskRows) + kv_heads_used * plan.batch;
   Index* att_first = call.allocate<Index>(max_tasks);
   Index* att_count = call.allocate<Index>(max_tasks);
   Index* att_batch = call.allocate<Index>(max_tasks);
@@ -266,11 +312,20 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
   for (Index g = 0; g < kv_heads_used; ++g)
     for (Index b = 0; b < plan.batch; ++b) {
       const Index first = ordered;
-      for (Index h = 0; h < plan.heads; ++h) {
-        if (kv_of_head[h] != g) continue;
-        const auto [lo, hi] = plan.range(h, b * plan.tokens, (b + 1) * plan.tokens);
-        for (Index i = lo; i < hi; ++i) order[ordered++] = i;
-      }
+      for (Index h = 0; h < plan.heads; ++h)
+        for (Index j = 0; j < sub_heads; ++j) {
+          if (kv_of[h * sub_heads + j] != g) continue;
+          const auto [lo, hi] = plan.range(h, b * plan.tokens, (b + 1) * plan.tokens);
+          for (Index i = lo; i < hi; ++i) order[ordered++] = i * sub_heads + j;
+        }
+      // Causal: by position, so that a block of queries spans few positions and the keys past
+      // its last one are skipped (head by head, a block of a head with 1 in 8 of the tokens
+      // would span 8 times as many). A query's result does not depend on its block.
+      if (causal)
+        std::sort(order + first, order + ordered, [&](Index a, Index c) {
+          const Index pa = plan.positions[a / sub_heads], pc = plan.positions[c / sub_heads];
+          return pa != pc ? pa < pc : a < c;
+        });
       for (Index i = first; i < ordered; i += kTaskRows, ++tasks) {
         eigen_assert(tasks < max_tasks);
         att_first[tasks] = i;
@@ -279,7 +334,11 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
         att_kv[tasks] = g;
       }
     }
-  const T scale = T(1) / std::sqrt(static_cast<T>(d));
+  // The plan head of each pair, for the bias and probability rows.
+  Index* head_of = call.allocate<Index>((extras.bias || extras.weights) ? pairs : 0);
+  if (extras.bias || extras.weights)
+    for (Index h = 0; h < plan.heads; ++h)
+      for (Index i = plan.offsets[h]; i < plan.offsets[h + 1]; ++i) head_of[i] = h;
   parallel_for(exec.pool, tasks, [&](std::int64_t task, int thread) {
     const Index first = att_first[task], n = att_count[task];
     const Index b = att_batch[task], g = att_kv[task];
@@ -288,21 +347,30 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
     const Arena::Scope scope(arena);
     const std::optional<PackedKeys<T>> packed = maybe_pack(kv, b, g, d, n, scale, arena);
     const AttentionKeysValues<T> keys = head_keys(kv, b, g);
-    MatrixMap<T> gq = arena.matrix<T>(std::min(kQueryBlock, n), d);
-    MatrixMap<T> go = arena.matrix<T>(gq.rows(), d);
-    Index* positions = arena.allocate<Index>(gq.rows());
+    const Index block = std::min(kQueryBlock, n);
+    MatrixMap<T> gq = arena.matrix<T>(block, d);
+    MatrixMap<T> go = arena.matrix<T>(block, d);
+    Index* positions = arena.allocate<Index>(block);
+    Index* bias_offsets = arena.allocate<Index>(extras.bias ? block : 0);
+    Index* weight_rows = arena.allocate<Index>(extras.weights ? block : 0);
     for (Index r0 = 0; r0 < n; r0 += kQueryBlock) {
       const Index m = std::min(kQueryBlock, n - r0);
       for (Index r = 0; r < m; ++r) {
-        const Index i = order[first + r0 + r];
-        gq.row(r) = Q.row(i);
+        const Index q = order[first + r0 + r], i = q / sub_heads, j = q % sub_heads;
+        gq.row(r) = Q.row(i).segment(j * d, d);
         positions[r] = plan.positions[i];
+        if (extras.bias)
+          bias_offsets[r] = extras.bias_offset(b, bias_head(head_of[i], j), plan.positions[i]);
+        if (extras.weights)
+          weight_rows[r] = extras.weights_row(b, weights_head(i, head_of[i], j), plan.positions[i]);
       }
       attend<T>(AttentionQueries<T>{gq.data(), d, m, d, scale, {positions, 0}}, keys, mask,
-                AttentionOutput<T>{go.data(), d}, arena, packed ? &*packed : nullptr);
+                AttentionOutput<T>{go.data(), d}, arena, packed ? &*packed : nullptr,
+                AttentionBias<T>{extras.bias, 0, bias_offsets},
+                AttentionWeights<T>{extras.weights, extras.keys, weight_rows});
       for (Index r = 0; r < m; ++r) {
-        const Index i = order[first + r0 + r];
-        O.row(i) = go.row(r) * plan.gates[i];
+        const Index q = order[first + r0 + r], i = q / sub_heads, j = q % sub_heads;
+        O.row(i).segment(j * d, d) = go.row(r) * plan.gates[i];
       }
     }
   });
@@ -310,8 +378,9 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
   // 3. Output projection. Each Y element adds the heads' contributions in index order, so the
   //    sum is the same whatever thread runs a tile. With many rows per head: tiles of token
   //    rows. With fewer than kRoutedColumnRows on average (MoA's many experts: about 12 tokens
-  //    each at E = 32 on 197 tokens): tiles of output columns, so that each head's weights are
-  //    read once per call, not once per row tile, and its rows are multiplied together.
+  //    each at E = 32 on 197 tokens), or heads of large output weights (JetMoE's experts): tiles
+  //    of output columns, so that each head's weights are read once per call, not once per row
+  //    tile, and its rows are multiplied together.
   auto add_head = [&](Index h, Index lo, Index hi, Index c0, MatrixMap<T>& p, Arena& arena) {
     const Index n = hi - lo, m = p.cols();
     if (plan.rows[hi - 1] - plan.rows[lo] == n - 1) {  // consecutive rows: add in place
@@ -321,7 +390,9 @@ void attend_routed(const HeadPlan<T>& plan, const ConstRowsRef<T>& X, const KeyV
     project_out(h, O.middleRows(lo, n), p.topRows(n), c0, false, arena);
     for (Index i = lo; i < hi; ++i) Y.row(plan.rows[i]).segment(c0, m) += p.row(i - lo);
   };
-  if (pairs < plan.heads * kRoutedColumnRows) {
+  const std::size_t head_weight_bytes =
+      static_cast<std::size_t>(w) * static_cast<std::size_t>(D_out) * sizeof(T);
+  if (pairs < plan.heads * kRoutedColumnRows || head_weight_bytes > kRoutedRowTileWeightBytes) {
     Index most = 0;
     for (Index h = 0; h < plan.heads; ++h) most = std::max(most, plan.count(h));
     parallel_for(exec.pool, blocks_of(D_out, kRoutedColumnTile), [&](std::int64_t task, int thread) {

@@ -15,7 +15,12 @@
 //   void attend(const Pass<T, Routing>&) const;
 //   void store_weight(const std::string& name, const T* values);   // numel values, row-major
 //   void load_weight(const std::string& name, T* values) const;
-//   static constexpr const char* kName;  static constexpr bool kHasModes;
+//   Index bias_heads() const;     // the head dimension an attn_bias may have (besides 1)
+//   Index weight_heads() const;   // the head dimension of the attention probabilities
+//   static constexpr const char* kName;
+//   static constexpr bool kHasModes, kHasQueryPadding;
+// and may hide the defaults of reads_grid() (whether options.grid_h/grid_w mean something) and
+// self_attention_only() (null, or why forward_cross/forward_cached are refused).
 #pragma once
 
 #include <algorithm>
@@ -80,6 +85,9 @@ struct Pass {
   mutable MatrixMap<T> Y;     // [B*T, D] rows of y (written through a const Pass)
   Routing* routing = nullptr;  // the caller's record, or null
   Exec exec;
+  ScoreExtras<T> extras;      // the call's attention bias and probabilities (checked), or none
+  PaddingMask query_padding;  // [B, T] (layers with kHasQueryPadding), or none
+  const ForwardOptions& options;
 };
 
 /// Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) like torch.nn.Linear's default init.
@@ -132,6 +140,47 @@ class AttentionLayer {
     const RopeTable<T> rope = rope_table(opts.position_offset, x.dimension(1), exec.call());
     const KeyValues<T> kv = keys_values_of(memory, key_rope, opts.key_padding_mask, exec);
     run(x, kv, rope, opts, Kind::Cross, y, routing, exec);
+  }
+
+  /// The keys and values of a memory [B, S, memory_dim()], computed once for many
+  /// forward_cross() calls (an encoder's output attended at every decoding step): a cache of S
+  /// tokens, full, keys RoPE'd at positions 0.. Padding: opts.key_padding_mask [B, S].
+  KvCache<T> make_memory_cache(const ConstTensorMap3<T>& memory, const ForwardOptions& opts = {}) const {
+    const char* name = Derived::kName;
+    require_shape3(name, "memory", memory, -1, -1, shape_.D_kv);
+    require(memory.dimension(0) > 0 && memory.dimension(1) > 0, name, ": memory: expected at ",
+            "least one sequence of one token, got [", memory.dimension(0), ", ",
+            memory.dimension(1), ", ", memory.dimension(2), "]");
+    if (const char* why = derived().self_attention_only())
+      fail(name, ": make_memory_cache: ", why, ": expected forward (self-attention), got a memory");
+    const Index B = memory.dimension(0), S = memory.dimension(1);
+    check_padding(opts.key_padding_mask, B, S, "key_padding_mask");
+    KvCache<T> cache(B, shape_.Hkv, shape_.d, S);
+    const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
+    const Exec exec = lease.exec();
+    const Arena::Scope scope(exec.call());
+    const RopeTable<T> rope = rope_table(0, S, exec.call());
+    write_slots(projected(memory, rope, exec), B, S, opts.key_padding_mask, cache);
+    KvCacheAccess::commit(cache, S);
+    return cache;
+  }
+
+  /// Cross-attention to a memory whose keys and values make_memory_cache() computed: queries
+  /// (and routing) from x [B, T, D]; the cache is read, never changed. The memory's padding is
+  /// the cache's (opts.key_padding_mask must be empty).
+  void forward_cross(const ConstTensorMap3<T>& x, const KvCache<T>& memory, TensorMap3<T> y,
+                     const ForwardOptions& opts = {}, Routing* routing = nullptr) const {
+    check_call(x, y, opts, Kind::Cross);
+    KvCacheAccess::check(memory, x.dimension(0), shape_.Hkv, shape_.d, 0, Derived::kName);
+    if (opts.key_padding_mask)
+      fail(Derived::kName, ": key_padding_mask: a memory cache keeps the memory's padding from "
+           "make_memory_cache: expected none here, got a [", opts.key_padding_mask->dimension(0),
+           ", ", opts.key_padding_mask->dimension(1), "] mask");
+    const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
+    const Exec exec = lease.exec();
+    const Arena::Scope scope(exec.call());
+    const RopeTable<T> rope = rope_table(opts.position_offset, x.dimension(1), exec.call());
+    run(x, cache_view(memory, memory.length()), rope, opts, Kind::Cross, y, routing, exec);
   }
 
   /// Incremental self-attention: x [B, T_new, D] are the next tokens after those in `cache`;
@@ -214,6 +263,10 @@ class AttentionLayer {
       : shape_(shape), infos_(std::move(infos)), set_(infos_.size(), 0) {}
 
   const HeadShape& shape() const { return shape_; }
+  // Default hooks; a layer that reads a token grid, or attends only to its own tokens, hides
+  // them.
+  bool reads_grid() const { return false; }
+  const char* self_attention_only() const { return nullptr; }  // or why
   /// After a seeded or zero initialisation.
   void mark_weights_set() { std::fill(set_.begin(), set_.end(), 1); }
 
@@ -266,6 +319,10 @@ class AttentionLayer {
       fail(name, ": weights not set: [", unset, "]: expected every weight set (the setters or "
            "load_weights), or a layer built with a seed or moh::zero_weights");
     }
+    if (kind != Kind::Cross && shape_.D_kv != shape_.D)
+      fail(name, ": ", kind == Kind::Self ? "forward" : "forward_cached", ": keys and values of "
+           "this layer come from a memory of width kdim = ", shape_.D_kv, ", not from x (width ",
+           shape_.D, "): expected forward_cross with a memory, got self-attention");
     if (!Derived::kHasModes && o.mode != ComputeMode::Auto)
       fail(name, ": mode: this layer has no compute modes: expected ComputeMode::Auto, got ",
            o.mode == ComputeMode::Dense ? "Dense" : "Sparse");
@@ -292,6 +349,59 @@ class AttentionLayer {
     }
     require(o.position_offset >= 0, name, ": position_offset: expected >= 0, got ",
             o.position_offset);
+    if (o.query_padding_mask) {
+      if (!Derived::kHasQueryPadding)
+        fail(name, ": query_padding_mask is MoAAttention's (fairseq's skip mask): expected none "
+             "here, got a [", o.query_padding_mask->dimension(0), ", ",
+             o.query_padding_mask->dimension(1), "] mask");
+      check_padding(o.query_padding_mask, x.dimension(0), x.dimension(1), "query_padding_mask");
+    }
+    if (!derived().reads_grid() && (o.grid_h != 0 || o.grid_w != 0))
+      fail(name, ": grid_h, grid_w: only a cosine-attention layer (MoHConfig::scores = cosine) "
+           "reads a token grid: expected 0 x 0, got ", o.grid_h, " x ", o.grid_w);
+    if (kind != Kind::Self)
+      if (const char* why = derived().self_attention_only())
+        fail(name, ": ", kind == Kind::Cross ? "forward_cross" : "forward_cached", ": ", why,
+             ": expected forward (self-attention), got ",
+             kind == Kind::Cross ? "cross-attention" : "cached decoding");
+  }
+
+  /// The bias and probability views of a call with `tokens` queries over `keys` keys, checked
+  /// against the shapes SEMANTICS 6 allows; the probabilities are zeroed (rows that no head
+  /// computes stay zero).
+  ScoreExtras<T> score_extras(const ForwardOptions& o, Index batch, Index tokens,
+                              Index keys) const {
+    const char* name = Derived::kName;
+    ScoreExtras<T> e;
+    if (o.attn_bias) {
+      const Tensor4Ref<false>& m = o.attn_bias;
+      const Index Hb = derived().bias_heads(), b0 = m.dimension(0), h0 = m.dimension(1);
+      if (!((b0 == batch || b0 == 1) && (h0 == Hb || h0 == 1) && m.dimension(2) == tokens &&
+            m.dimension(3) == keys))
+        fail(name, ": attn_bias: expected shape [", batch, " or 1, ",
+             Hb == 1 ? std::string("1") : std::to_string(Hb) + " or 1", ", ", tokens, ", ", keys,
+             "] (batch, heads, queries, keys), got [", b0, ", ", h0, ", ", m.dimension(2), ", ",
+             m.dimension(3), "]");
+      e.bias = m.template data<T>(name, "attn_bias");
+      e.bias_t = keys;
+      e.bias_h = h0 == 1 ? 0 : tokens * keys;
+      e.bias_b = b0 == 1 ? 0 : h0 * tokens * keys;
+    }
+    if (o.attention_weights) {
+      const Tensor4Ref<true>& w = o.attention_weights;
+      const Index Hw = derived().weight_heads();
+      if (w.dimension(0) != batch || w.dimension(1) != Hw || w.dimension(2) != tokens ||
+          w.dimension(3) != keys)
+        fail(name, ": attention_weights: expected shape [", batch, ", ", Hw, ", ", tokens, ", ",
+             keys, "] (batch, heads, queries, keys), got [", w.dimension(0), ", ",
+             w.dimension(1), ", ", w.dimension(2), ", ", w.dimension(3), "]");
+      e.weights = w.template data<T>(name, "attention_weights");
+      e.weights_heads = Hw;
+      e.tokens = tokens;
+      e.keys = keys;
+      std::fill(e.weights, e.weights + batch * Hw * tokens * keys, T(0));
+    }
+    return e;
   }
 
   // Keys/values of src's rows [B*S, 2 H_kv d] in the call's arena, keys RoPE'd with `rope`.
@@ -363,8 +473,11 @@ class AttentionLayer {
            const ForwardOptions& o, Kind kind, TensorMap3<T>& y, Routing* routing,
            const Exec& exec) const {
     const bool causal = o.causal == Causal::On || (o.causal == Causal::Auto && kind == Kind::Cached);
-    const Pass<T, Routing> pass{as_rows(x), x.dimension(0), x.dimension(1), kv, rope, causal,
-                                o.mode, as_rows(y), routing, exec};
+    const Index B = x.dimension(0), Tq = x.dimension(1);
+    const Pass<T, Routing> pass{as_rows(x), B,       Tq,      kv,
+                                rope,       causal,  o.mode,  as_rows(y),
+                                routing,    exec,    score_extras(o, B, Tq, kv.keys),
+                                o.query_padding_mask, o};
     derived().attend(pass);
   }
 

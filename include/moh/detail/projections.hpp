@@ -55,6 +55,20 @@ class Projections {
     return out;
   }
 
+  /// The bias tensors (all their published names) of a layer configured without them.
+  static void foreign(bool in_bias, bool out_bias, const ProjectionNames& names,
+                      const char* in_flag, const char* out_flag, std::vector<ForeignWeight>& out) {
+    const std::string in = std::string("a bias of the input projection, which this layer is "
+                                       "configured without (") + in_flag + " = false)";
+    const std::string o = std::string("a bias of the output projection, which this layer is "
+                                      "configured without (") + out_flag + " = false)";
+    if (!in_bias)
+      for (const char* name : {names.in_bias, "q_proj.bias", "k_proj.bias", "v_proj.bias"})
+        out.push_back({name, in});
+    if (!out_bias)
+      for (const char* name : {names.out_bias, "o_proj.bias"}) out.push_back({name, o});
+  }
+
   /// Stores or loads the tensor `name` if it is one of `names`' four; false otherwise.
   bool store(const ProjectionNames& names, const std::string& name, const T* v) {
     if (name == names.in_weight) in_w_.set(ConstMatrixMap<T>(v, in_rows(), s_.D));

@@ -93,6 +93,12 @@ std::vector<std::vector<T>> read_weights(const TensorSource& src, const std::str
   return values;
 }
 
+inline std::string names_of(const std::vector<WeightInfo>& infos) {
+  std::string out;
+  for (const WeightInfo& w : infos) out += (out.empty() ? "" : ", ") + w.name;
+  return out;
+}
+
 template <class Layer, class T>
 void set_weights(Layer& layer, const std::vector<std::vector<T>>& values) {
   std::size_t i = 0;
@@ -109,6 +115,11 @@ void set_weights(Layer& layer, const std::vector<std::vector<T>>& values) {
 /// unchanged.
 template <class Layer>
 void load_weights(Layer& layer, const TensorSource& src, const std::string& prefix = "") {
+  for (const ForeignWeight& f : Layer::foreign_weights(layer.config()))
+    if (src.contains(prefix + f.name))
+      detail::fail(Layer::kName, ": ", src.source(), " has tensor '", prefix, f.name, "': ", f.meaning,
+           "; expected only the tensors of this layer (", detail::names_of(layer.weight_infos()),
+           ")");
   detail::set_weights(
       layer, detail::read_weights<typename Layer::Scalar>(src, prefix, layer.weight_infos()));
 }

@@ -1,10 +1,11 @@
 // Golden cases: a safetensors file that carries a layer's weights, an input and the expected
 // outputs (format "moh-case/1", see the project's FIXTURES.md), so that a model checks itself.
 //
-// run_case() builds the layer the metadata names ("mha", "moh", "moa", "moh_llama"): its config
-// comes from the metadata keys that are fields of the config (the same fields() list that saving
-// and loading a config walks), over the defaults of the layer kind; then it loads the weights,
-// runs the layer on `x` (with `key_padding_mask` and `causal`; with `memory`, as
+// run_case() builds the layer the metadata names ("mha", "moh", "moa", "moh_llama", "moh_vit",
+// "jetmoe"): its config comes from the metadata keys that are fields of the config (the same
+// fields() list that saving and loading a config walks), over the defaults of the layer kind;
+// then it loads the weights, runs the layer on `x` (with `key_padding_mask`, `attn_bias`,
+// `query_padding_mask`, `causal` and the token grid `grid_h` x `grid_w`; with `memory`, as
 // cross-attention; with `decode_from` = P, the first P tokens go as one prompt call and every
 // later token through the KV cache one at a time), and compares every expected tensor e with the
 // computed c: max|c - e| <= 1e-4 * max(1, max|e|), and every 0 of `gates` / `head_mask` must be
@@ -183,7 +184,8 @@ struct CaseRun {
 template <class Config>
 void require_known_contents(const TensorSource& st, const std::vector<WeightInfo>& weights,
                             const Config& c, const std::vector<std::string>& outputs) {
-  std::set<std::string> known = {"x", "key_padding_mask", "memory"};
+  std::set<std::string> known = {"x", "key_padding_mask", "memory", "attn_bias",
+                                 "query_padding_mask"};
   known.insert(outputs.begin(), outputs.end());
   for (const WeightInfo& w : weights) {
     known.insert(w.name);
@@ -196,7 +198,7 @@ void require_known_contents(const TensorSource& st, const std::vector<WeightInfo
     if (!known.count(name))
       fail("case ", st.source(), ": tensor '", name, "' is not something this ",
            st.metadata_value("layer"), " case runner uses: expected only [", listed, "]");
-  std::set<std::string> keys = {"format", "layer", "causal", "decode_from"};
+  std::set<std::string> keys = {"format", "layer", "causal", "decode_from", "grid_h", "grid_w"};
   Config::fields(c, [&](const char* key, const auto&) { keys.insert(key); });
   listed.clear();
   for (const std::string& key : keys) listed += (listed.empty() ? "" : ", ") + key;
@@ -222,10 +224,17 @@ CaseRun<typename Layer::Scalar, typename Layer::RoutingRecord> run_layer(
   const Mask padding = st.contains("key_padding_mask") ? st.mask("key_padding_mask") : Mask();
   ForwardOptions opts;
   opts.causal = metadata_flag(st, "causal") ? Causal::On : Causal::Off;
+  if (st.has_metadata("grid_h")) opts.grid_h = metadata_int(st, "grid_h");
+  if (st.has_metadata("grid_w")) opts.grid_w = metadata_int(st, "grid_w");
+  const Mask query_padding =
+      st.contains("query_padding_mask") ? st.mask("query_padding_mask") : Mask();
+  if (st.contains("query_padding_mask")) opts.query_padding_mask = map_mask(query_padding);
+  const Tensor4<T> bias = st.contains("attn_bias") ? st.tensor4<T>("attn_bias") : Tensor4<T>();
   CaseRun<T, typename Layer::RoutingRecord> run;
   run.y = Tensor3<T>(B, Tn, D);
 
   if (!st.has_metadata("decode_from")) {
+    if (st.contains("attn_bias")) opts.attn_bias = bias;
     if (st.contains("key_padding_mask")) opts.key_padding_mask = map_mask(padding);
     run.calls.resize(1);
     run.calls[0].tokens = Tn;
@@ -239,6 +248,9 @@ CaseRun<typename Layer::Scalar, typename Layer::RoutingRecord> run_layer(
   }
   const Index P = metadata_int(st, "decode_from");
   require(P >= 0 && P <= Tn, "case ", st.source(), ": decode_from: expected 0..", Tn, ", got ", P);
+  require(!st.contains("memory") && !st.contains("query_padding_mask"), "case ", st.source(),
+          ": decode_from: expected a self-attention case without query_padding_mask, got ",
+          st.contains("memory") ? "a memory" : "a query_padding_mask");
   KvCache<T> cache = layer.make_cache(B, std::max<Index>(Tn, 1));
   for (Index t0 = 0; t0 < Tn;) {
     const Index n = (t0 == 0 && P > 0) ? P : 1;
@@ -250,6 +262,17 @@ CaseRun<typename Layer::Scalar, typename Layer::RoutingRecord> run_layer(
       const Eigen::array<Index, 2> off{0, t0}, ext{B, n};
       chunk = padding.slice(off, ext);
       o.new_token_padding_mask = map_mask(chunk);
+    }
+    Tensor4<T> bias_rows;  // this call's queries over the keys cached so far
+    if (st.contains("attn_bias")) {
+      require(bias.dimension(2) == Tn && bias.dimension(3) == Tn, "case ", st.source(),
+              ": attn_bias: expected [B|1, H|1, ", Tn, ", ", Tn, "] with decode_from, got [",
+              bias.dimension(0), ", ", bias.dimension(1), ", ", bias.dimension(2), ", ",
+              bias.dimension(3), "]");
+      const Eigen::array<Index, 4> off{0, 0, t0, 0},
+          ext{bias.dimension(0), bias.dimension(1), n, t0 + n};
+      bias_rows = bias.slice(off, ext);
+      o.attn_bias = bias_rows;
     }
     run.calls.emplace_back();
     run.calls.back().first = t0;
@@ -304,23 +327,29 @@ CaseResult run_case(const SafeTensors& st) {
     const auto run =
         run_layer<MultiHeadAttention<T>>(st, case_config(st, c, {"num_heads"}), {"y"});
     check("y", values_of(run.y));
-  } else if (result.layer == "moh" || result.layer == "moh_llama") {
+  } else if (result.layer == "moh" || result.layer == "moh_llama" || result.layer == "moh_vit") {
+    const bool llama = result.layer == "moh_llama", vit = result.layer == "moh_vit";
     MoHConfig c;
-    if (result.layer == "moh") {
-      c.bias = st.contains("qkv.bias");
-    } else {  // LLaMA attention with the query-norm router
-      c.router = MoHRouterKind::QueryNorm;
-      c.bias = false;
-      c.rope = true;
-    }
     std::vector<std::string> keys = {"num_heads", "shared_heads", "active_routed_heads"};
-    if (result.layer == "moh_llama") keys.insert(keys.end(), {"num_kv_heads", "rope_theta"});
+    if (llama) {  // LLaMA attention with the query-norm router
+      c.router = MoHRouterKind::QueryNorm;
+      c.qkv_bias = c.proj_bias = false;
+      c.rope = true;
+      keys.insert(keys.end(), {"num_kv_heads", "rope_theta"});
+    } else {  // the ViT/DiT modules: qkv.bias unless qkv_bias = 0; proj.bias always
+      c.qkv_bias = st.has_metadata("qkv_bias") || st.contains("qkv.bias");
+    }
+    if (vit) {
+      c.scores = MoHScores::Cosine;
+      if (st.contains("cpb_fc1.bias")) c.cpb_hidden = st.info("cpb_fc1.bias").numel();
+      keys.insert(keys.end(), {"grid_h", "grid_w", "pretrain_h", "pretrain_w", "train_tokens"});
+    }
     const auto run = run_layer<MoHAttention<T>>(
         st, case_config(st, c, keys),
-        result.layer == "moh" ? std::vector<std::string>{"y", "gates", "aux_loss"}
-                              : std::vector<std::string>{"y", "head_mask"});
+        llama ? std::vector<std::string>{"y", "head_mask"}
+              : std::vector<std::string>{"y", "gates", "aux_loss"});
     check("y", values_of(run.y));
-    if (result.layer == "moh") {
+    if (!llama) {
       check("gates", gates_of(run), true);
       check("aux_loss", std::vector<T>{run.calls[0].routing.load_balance_loss});
     } else {
@@ -336,9 +365,23 @@ CaseResult run_case(const SafeTensors& st) {
     check("switch_loss", std::vector<T>{r.switch_loss});
     check("z_loss", std::vector<T>{r.z_loss});
     if (st.contains("cv_loss")) check("cv_loss", std::vector<T>{r.cv_loss});
+  } else if (result.layer == "jetmoe") {
+    MoAConfig c = MoAConfig::jetmoe(0, 0, 0, 0, 0);
+    const auto run = run_layer<MoAAttention<T>>(
+        st, case_config(st, c, {"num_experts", "top_k", "num_kv_heads", "rope_theta"}),
+        {"y", "expert_counts", "switch_loss", "z_loss"});
+    check("y", values_of(run.y));
+    std::vector<T> counts(static_cast<std::size_t>(run.calls[0].routing.num_experts), T(0));
+    for (const auto& call : run.calls)  // the total over every call
+      for (std::size_t e = 0; e < counts.size(); ++e)
+        counts[e] += static_cast<T>(call.routing.expert_counts[e]);
+    check("expert_counts", counts);
+    const MoARouting<T>& r = run.calls[0].routing;
+    if (st.contains("switch_loss")) check("switch_loss", std::vector<T>{r.switch_loss});
+    if (st.contains("z_loss")) check("z_loss", std::vector<T>{r.z_loss});
   } else {
-    fail("case ", st.source(), ": layer: expected mha, moh, moa or moh_llama, got '",
-         result.layer, "'");
+    fail("case ", st.source(), ": layer: expected mha, moh, moa, moh_llama, moh_vit or jetmoe, ",
+         "got '", result.layer, "'");
   }
   return result;
 }

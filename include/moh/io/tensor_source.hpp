@@ -109,6 +109,13 @@ class TensorSource {
     return filled(t, Tensor3<T>(to_index(t, 0), to_index(t, 1), to_index(t, 2)));
   }
 
+  /// Any rank-4 tensor, e.g. an attention bias [batch, heads, queries, keys].
+  template <class T>
+  Tensor4<T> tensor4(const std::string& name) const {
+    const Entry& t = expect_rank(name, 4);
+    return filled(t, Tensor4<T>(to_index(t, 0), to_index(t, 1), to_index(t, 2), to_index(t, 3)));
+  }
+
   /// A rank-2 tensor of 0/1 values (BOOL, or any integer/float dtype) as a moh::Mask.
   Mask mask(const std::string& name) const {
     const Entry& t = expect_rank(name, 2);

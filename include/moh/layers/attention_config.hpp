@@ -67,6 +67,14 @@ struct WeightInfo {
   }
 };
 
+/// A tensor that a checkpoint for another module (or another configuration) has and this layer
+/// does not: load_weights() refuses a source that has it, naming what it belongs to, rather than
+/// computing without it.
+struct ForeignWeight {
+  std::string name;     // e.g. "sr.weight"
+  std::string meaning;  // e.g. "TransNeXt's aggregated attention (...), which moh does not have"
+};
+
 /// Tag of the constructors that build a layer with all weights zero (an explicit choice: a layer
 /// built from its config alone has no weights, and forward() refuses to run until they are set).
 struct ZeroWeights {};

@@ -36,8 +36,10 @@ struct MoARouting {
   Matrix<T> logits;  // [B*T, E]
   Matrix<T> probs;   // [B*T, E]: softmax over all experts
   Matrix<T> gates;   // [B*T, E]: w_e for the kept experts, exactly 0 elsewhere
-  Eigen::Matrix<Index, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> selected;  // [B*T, k]
+  // [B*T, k]: the experts of each token's slots; -1 for a query padding token (no expert)
+  Eigen::Matrix<Index, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> selected;
   std::vector<Index> expert_counts;  // [E]: (token, slot) pairs routed to each expert
+  // The losses of SEMANTICS 5 over the call's tokens (query padding excluded but from z).
   T switch_loss = 0, z_loss = 0, cv_loss = 0;
 
   /// Fraction of expert slots used: k / E.
@@ -88,9 +90,12 @@ struct MoAGates {
   }
 };
 
-/// Routes from g.logits (already x W_g) into the rest of `g`.
+/// Routes from g.logits (already x W_g) into the rest of `g`. Rows that `padding` ([rows], or
+/// null) marks get p = 0, no expert (selected -1) and no gate, and are left out of the counts
+/// and the switch and cv losses; the z-loss still averages over every row (SEMANTICS 9).
 template <class T>
-void route_moa(MoAGating gating, const MoAGates<T>& g, Arena& arena) {
+void route_moa(MoAGating gating, const MoAGates<T>& g, Arena& arena,
+               const bool* padding = nullptr) {
   const Arena::Scope scope(arena);
   const Index N = g.rows(), E = g.experts, k = g.k;
   std::copy(g.logits, g.logits + N * E, g.probs);
@@ -98,12 +103,19 @@ void route_moa(MoAGating gating, const MoAGates<T>& g, Arena& arena) {
   std::fill(g.counts, g.counts + E, Index(0));
   T* kept = arena.allocate<T>(k);
   T z = 0;
+  Index routed = 0;  // rows that are not padding
   for (Index i = 0; i < N; ++i) {
     T* p = g.probs + i * E;
     const T* l = g.logits + i * E;
     const T lse = softmax_lse(p, E);
     z += lse * lse;
     Index* sel = g.selected + i * k;
+    if (padding && padding[i]) {
+      std::fill(p, p + E, T(0));
+      std::fill(sel, sel + k, Index(-1));
+      continue;
+    }
+    ++routed;
     // Top-k by p and top-k by logit pick the same experts (softmax is monotonic) except for
     // ties created by rounding; pick on the quantity each convention ranks by.
     moh::top_k(gating == MoAGating::Softmax ? p : l, E, k, sel);
@@ -128,7 +140,8 @@ void route_moa(MoAGating gating, const MoAGates<T>& g, Arena& arena) {
     for (Index i = 0; i < N; ++i) column[e] += g.probs[i * E + e];
     total_p += column[e];
   }
-  const T total_c = static_cast<T>(N * k);
+  if (routed == 0) return;  // every token is padding: nothing was routed
+  const T total_c = static_cast<T>(routed * k);
   T sw = 0;
   for (Index e = 0; e < E; ++e)
     sw += (column[e] / total_p) * (static_cast<T>(g.counts[e]) / total_c);

@@ -8,6 +8,7 @@
 // RoPE on queries and keys, and incremental decoding through a KvCache (detail/layer.hpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -46,7 +47,7 @@ class MultiHeadAttention
  public:
   using Config = MHAConfig;
   static constexpr const char* kName = MHAConfig::kLayer;
-  static constexpr bool kHasModes = false;
+  static constexpr bool kHasModes = false, kHasQueryPadding = false;
 
   /// No weights yet: set them (setters, load_weights) before forward, which refuses to run
   /// until every tensor is set.
@@ -71,6 +72,13 @@ class MultiHeadAttention
   /// accepted as LLaMA-style q_proj / k_proj / v_proj / o_proj.
   static std::vector<WeightInfo> weight_infos(const MHAConfig& c) {
     return detail::Projections<T>::infos(detail::heads_shape(c, kName), c.bias, c.bias, kNames);
+  }
+
+  /// Tensors a source for this config must not have (load_weights refuses them).
+  static std::vector<ForeignWeight> foreign_weights(const MHAConfig& c) {
+    std::vector<ForeignWeight> out;
+    detail::Projections<T>::foreign(c.bias, c.bias, kNames, "bias", "bias", out);
+    return out;
   }
 
   // Weights in PyTorch layout (copies; bfloat16 storage is widened exactly).
@@ -100,6 +108,8 @@ class MultiHeadAttention
     return Eigen::Map<const Vector<T>>(v.data(), static_cast<Index>(v.size()));
   }
 
+  Index bias_heads() const { return this->shape().H; }
+  Index weight_heads() const { return this->shape().H; }
   void store_weight(const std::string& name, const T* values) { proj_.store(kNames, name, values); }
   void load_weight(const std::string& name, T* values) const { proj_.load(kNames, name, values); }
 
@@ -118,7 +128,8 @@ class MultiHeadAttention
     proj_.project_q(p.X, Q, p.exec);
     this->rope_rows(Q, 0, s.H, p.batch, p.tokens, p.rope);
     detail::attend_heads<T>(detail::HeadsView<T>{Q.data(), w, p.tokens * w, s.d}, p.kv, p.batch,
-                            p.tokens, s.H, s.d, p.causal, C.data(), p.exec);
+                            p.tokens, s.H, s.d, T(1) / std::sqrt(static_cast<T>(s.d)), p.causal,
+                            p.extras, C.data(), p.exec);
     proj_.project_out(C, p.Y, p.exec);
   }
 

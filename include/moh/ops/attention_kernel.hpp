@@ -1,4 +1,4 @@
-// Scaled dot-product attention for one head: O = softmax(Q K^T * scale + mask) V.
+// Scaled dot-product attention for one head: O = softmax(Q K^T * scale + bias + mask) V.
 //
 // Tiled over query and key blocks with an online softmax (running row max and row sum), so the
 // scores of a whole head are never held: the extra memory is one [query block x key block] tile
@@ -8,7 +8,9 @@
 //
 // Masks: key j is hidden from a query at position p when it is padding or, if causal, when
 // j > p + causal_shift (bottom-right alignment: causal_shift = S - T, the keys that precede the
-// first query, e.g. a KV cache). A query that sees no key at all outputs zeros.
+// first query, e.g. a KV cache), or when an additive bias gives it -inf. A query that sees no key
+// at all outputs zeros. The probabilities, when asked, are a second pass over the scores with the
+// rows' final max and sum: nothing is spent on them otherwise.
 #pragma once
 
 #include <algorithm>
@@ -55,6 +57,31 @@ struct AttentionKeysValues {
   const T* values = nullptr;
   Index value_stride = 0;
   Index count = 0;  // S
+};
+
+/// An additive bias on the scores (SEMANTICS 6): query i and key j get row(i)[j] added after the
+/// scaling, where row(i) = data + offsets[i] when the queries come from several heads or
+/// sequences (offsets given), else data + position(i) * row_stride; -inf hides the key. A block
+/// of keys that the bias hides from every query of a block is skipped. Not owned; data null =
+/// no bias.
+template <class T>
+struct AttentionBias {
+  const T* data = nullptr;
+  Index row_stride = 0;
+  const Index* offsets = nullptr;
+  const T* row(Index i, const QueryPositions& positions) const {
+    return data + (offsets ? offsets[i] : positions[i] * row_stride);
+  }
+};
+
+/// Where attention() writes the probabilities, when asked (data not null): query i's softmax row
+/// of S values at data + (rows ? rows[i] : i) * row_stride. Not owned.
+template <class T>
+struct AttentionWeights {
+  T* data = nullptr;
+  Index row_stride = 0;
+  const Index* rows = nullptr;
+  T* row(Index i) const { return data + (rows ? rows[i] : i) * row_stride; }
 };
 
 /// Where attention() writes: [queries, head_dim] at row stride `stride` (may not alias the queries).
@@ -168,11 +195,13 @@ struct PackedKeys {
 };
 
 /// attention() with its tiles from `arena`, and optionally the keys and values laid out once
-/// for many query blocks (`packed`, from PackedKeys::pack with the same scale).
+/// for many query blocks (`packed`, from PackedKeys::pack with the same scale), an additive bias
+/// and the probabilities to write.
 template <class T>
 void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv,
             const AttentionMasking& mask, const AttentionOutput<T>& output, Arena& arena,
-            const PackedKeys<T>* packed = nullptr) {
+            const PackedKeys<T>* packed = nullptr, const AttentionBias<T>& bias = {},
+            const AttentionWeights<T>& weights = {}) {
   const T* q = queries.data;
   const Index q_stride = queries.stride, n_q = queries.count, d = queries.head_dim;
   const T scale = queries.scale;
@@ -209,19 +238,24 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
       all_see = pmin + mask.causal_shift;
     }
 
-    auto acc = scratch.acc.topRows(nq);
-    auto m = scratch.row_max.head(nq);
-    auto l = scratch.row_sum.head(nq);
-    acc.setZero();
-    m.setConstant(kNegInf);
-    l.setZero();
+    // Whether the bias hides keys [j0, j0 + nk) from every query of the block.
+    auto hidden_by_bias = [&](Index j0, Index nk) {
+      if (bias.data == nullptr) return false;
+      for (Index r = 0; r < nq; ++r) {
+        const T* b = bias.row(i0 + r, positions) + j0;
+        for (Index c = 0; c < nk; ++c)
+          if (b[c] != kNegInf) return false;
+      }
+      return true;
+    };
 
-    for (Index j0 = 0; j0 < key_end; j0 += kKeyBlock) {
-      const Index nk = std::min(kKeyBlock, key_end - j0);
+    // The block's scores into scratch.scores: scale q k^T + bias, -inf where a mask hides a key.
+    // Returns whether any entry may be -inf. Leaves the block's contiguous values for the fast
+    // path's product in *v_block.
+    auto scores_of = [&](Index j0, Index nk, const T** v_block) {
       ConstStridedMap<T> K(k + j0 * k_stride, nk, d, Eigen::OuterStride<>(k_stride));
-      ConstStridedMap<T> V(v + j0 * v_stride, nk, d, Eigen::OuterStride<>(v_stride));
       auto s = scratch.scores.topLeftCorner(nq, nk);
-      const T* v_block = scratch.values.data();  // fast path: contiguous values of this block
+      *v_block = scratch.values.data();
       if (fast) {
         // scale * K^T of this block, zero-padded to whole packets of keys.
         const Index padded = (nk + L - 1) / L * L;
@@ -230,24 +264,33 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
         if (packed != nullptr) {  // prepared once for all query blocks (already scaled)
           kt = packed->keys_t + j0;
           kt_stride = packed->keys_t_stride;
-          v_block = packed->values + j0 * d;
+          *v_block = packed->values + j0 * d;
         } else {
           auto block = scratch.keys_t.leftCols(padded);
           scratch.values.topRows(nk) = K;  // contiguous first, then transposed
           block.leftCols(nk) = scratch.values.topRows(nk).transpose() * scale;
           block.rightCols(padded - nk).setZero();
-          scratch.values.topRows(nk) = V;
+          scratch.values.topRows(nk) =
+              ConstStridedMap<T>(v + j0 * v_stride, nk, d, Eigen::OuterStride<>(v_stride));
           kt = block.data();
           kt_stride = block.outerStride();
         }
         attention_product<T>(scratch.queries.data(), d, kt, kt_stride, nq, padded, d,
-                                 scratch.scores.data(), scratch.scores.outerStride(), false);
+                             scratch.scores.data(), scratch.scores.outerStride(), false);
       } else {
         s.noalias() = (Q * K.transpose()) * scale;
       }
-
-      const bool masked = mask.key_padding != nullptr || (mask.causal && j0 + nk - 1 > all_see);
-      if (masked) {
+      bool bias_hides = false;  // whether the bias has a -inf in this block
+      if (bias.data != nullptr)
+        for (Index r = 0; r < nq; ++r) {
+          const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> b(
+              bias.row(i0 + r, positions) + j0, nk);
+          s.row(r) += b;
+          bias_hides = bias_hides || b.minCoeff() == kNegInf;
+        }
+      const bool masked = bias_hides || mask.key_padding != nullptr ||
+                          (mask.causal && j0 + nk - 1 > all_see);
+      if (mask.key_padding != nullptr || (mask.causal && j0 + nk - 1 > all_see)) {
         for (Index r = 0; r < nq; ++r) {
           const Index limit = mask.causal ? positions[i0 + r] + mask.causal_shift : S;
           for (Index c = 0; c < nk; ++c) {
@@ -256,6 +299,23 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
           }
         }
       }
+      return masked;
+    };
+
+    auto acc = scratch.acc.topRows(nq);
+    auto m = scratch.row_max.head(nq);
+    auto l = scratch.row_sum.head(nq);
+    acc.setZero();
+    m.setConstant(kNegInf);
+    l.setZero();
+
+    bool hidden[kKeyBlock];  // of one row of a masked block: which keys are hidden
+    for (Index j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+      const Index nk = std::min(kKeyBlock, key_end - j0);
+      if (hidden_by_bias(j0, nk)) continue;  // contributes nothing to any query of the block
+      const T* v_block = nullptr;
+      const bool masked = scores_of(j0, nk, &v_block);
+      auto s = scratch.scores.topLeftCorner(nq, nk);
 
       // Online softmax, one contiguous row at a time: rescale what was accumulated to the new
       // row max, then add this block's weights and weighted values.
@@ -268,8 +328,14 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
         }
         const T alpha = (m[r] == kNegInf) ? T(0) : std::exp(m[r] - m_new);
         if (masked) {
-          // Vectorised exp does not return exactly 0 for -inf (double): zero hidden keys.
-          row = (row.array() == kNegInf).select(T(0), (row.array() - m_new).exp()).matrix();
+          // Eigen's vectorised exp does not return exactly 0 for -inf, and its select() is not
+          // vectorised (every exp would go through libm): note the hidden keys, exponentiate
+          // the whole row in packets, then zero them.
+          T* p = row.data();
+          for (Index c = 0; c < nk; ++c) hidden[c] = p[c] == kNegInf;
+          row = (row.array() - m_new).exp().matrix();
+          for (Index c = 0; c < nk; ++c)
+            if (hidden[c]) p[c] = T(0);
         } else {
           row = (row.array() - m_new).exp().matrix();
         }
@@ -279,9 +345,10 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
       }
       if (fast) {
         attention_product<T>(s.data(), s.outerStride(), v_block, d, nq, d, nk, acc.data(),
-                                 acc.outerStride(), true);
+                             acc.outerStride(), true);
       } else {
-        acc.noalias() += s * V;
+        acc.noalias() +=
+            s * ConstStridedMap<T>(v + j0 * v_stride, nk, d, Eigen::OuterStride<>(v_stride));
       }
     }
 
@@ -292,17 +359,35 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
         O.row(r).setZero();
       }
     }
+
+    // The probabilities, when asked: the scores again, normalised by the row's final max and sum.
+    if (weights.data == nullptr) continue;
+    for (Index r = 0; r < nq; ++r) std::fill(weights.row(i0 + r), weights.row(i0 + r) + S, T(0));
+    for (Index j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+      const Index nk = std::min(kKeyBlock, key_end - j0);
+      if (hidden_by_bias(j0, nk)) continue;
+      const T* v_block = nullptr;
+      scores_of(j0, nk, &v_block);
+      for (Index r = 0; r < nq; ++r) {
+        if (!(l[r] > T(0))) continue;  // a row that sees nothing stays zero
+        T* p = weights.row(i0 + r) + j0;
+        const T* s = scratch.scores.row(r).data();
+        for (Index c = 0; c < nk; ++c) p[c] = s[c] == kNegInf ? T(0) : std::exp(s[c] - m[r]) / l[r];
+      }
+    }
   }
 }
 
 }  // namespace detail
 
-/// Attends the queries to the keys/values of one head: out = softmax(scale q k^T + mask) v. Tiles
-/// come from `workspace` (null: a temporary one). Sizes are checked (moh::Error).
+/// Attends the queries to the keys/values of one head: out = softmax(scale q k^T + bias + mask) v,
+/// and writes the softmax rows to `weights` when given. Tiles come from `workspace` (null: a
+/// temporary one). Sizes are checked (moh::Error).
 template <class T>
 void attention(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv,
                const AttentionMasking& mask, const AttentionOutput<T>& output,
-               Workspace* workspace = nullptr) {
+               Workspace* workspace = nullptr, const AttentionBias<T>& bias = {},
+               const AttentionWeights<T>& weights = {}) {
   detail::require(queries.count >= 0 && queries.head_dim > 0 && kv.count >= 0,
                   "attention: sizes: expected queries >= 0, head_dim > 0, keys >= 0, got ",
                   queries.count, ", ", queries.head_dim, ", ", kv.count);
@@ -317,7 +402,13 @@ void attention(const AttentionQueries<T>& queries, const AttentionKeysValues<T>&
                   ", got queries ", queries.stride, ", keys ", kv.key_stride, ", values ",
                   kv.value_stride, ", output ", output.stride);
   const detail::WorkspaceLease lease(workspace, nullptr, "attention");
-  detail::attend<T>(queries, kv, mask, output, lease.exec().call());
+  detail::require(bias.data == nullptr || bias.row_stride >= kv.count, "attention: bias rows ",
+                  "must hold every key: expected a row stride >= ", kv.count, ", got ",
+                  bias.row_stride);
+  detail::require(weights.data == nullptr || weights.row_stride >= kv.count, "attention: ",
+                  "probability rows must hold every key: expected a row stride >= ", kv.count,
+                  ", got ", weights.row_stride);
+  detail::attend<T>(queries, kv, mask, output, lease.exec().call(), nullptr, bias, weights);
 }
 
 }  // namespace moh

@@ -453,6 +453,36 @@ void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index
   }
 }
 
+/// C[M, N] (+)= A[M, K] B[K, N] for M <= kFewRows and N a multiple of the packet size, reading
+/// B row after row in storage order, each row once (a decode step against weights stored
+/// [in, out], such as MoA's experts): memory streams whole rows instead of the strips of
+/// small_product(). Each C element is the same chain as small_product()'s and gemm()'s (0, or C
+/// when `accumulate`, then one multiply-add per k in order), so the bits are theirs. C rows are
+/// updated in chunks that stay in L1.
+template <class T, class Src>
+void few_rows_product(const T* A, Index lda, const Src* B, Index ldb, Index M, Index N, Index K,
+                      T* C, Index ldc, bool accumulate) {
+  using P = GemmPacket<T>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
+  constexpr Index kChunk = 2048;  // columns per pass: kFewRows x 2048 floats = 32 KiB of C
+  eigen_assert(M <= kFewRows && N % L == 0);
+  for (Index c0 = 0; c0 < N; c0 += kChunk) {
+    const Index nc = std::min(kChunk, N - c0);
+    for (Index r = 0; r < M; ++r)
+      if (!accumulate) std::fill(C + r * ldc + c0, C + r * ldc + c0 + nc, T(0));
+    for (Index k = 0; k < K; ++k) {
+      const Src* b = B + k * ldb + c0;
+      for (Index r = 0; r < M; ++r) {
+        const P a = Eigen::internal::pset1<P>(A[r * lda + k]);
+        T* c = C + r * ldc + c0;
+        for (Index j = 0; j < nc; j += L)
+          Eigen::internal::pstoreu(
+              c + j, Eigen::internal::pmadd(a, load_packet<T>(b + j), Eigen::internal::ploadu<P>(c + j)));
+      }
+    }
+  }
+}
+
 /// Rows of A below which multiply() runs a [K, N] operand unpacked: packing B would cost about
 /// as much as the product (a few tokens routed to one head or expert).
 constexpr Index kUnpackedRows = 32;
@@ -460,9 +490,10 @@ constexpr Index kUnpackedRows = 32;
 /// C[M, N] (+)= A[M, K] B on this thread, by the cheapest route for the shape:
 ///   - a few rows against a transposed B: rows_product() (a decode step streams the weights
 ///     once, unpacked);
+///   - at most kFewRows rows against a [K, N] B of whole packets: few_rows_product();
 ///   - fewer than kUnpackedRows rows against a [K, N] B of whole packets: small_product();
 ///   - else gemm().
-/// The last two compute the same chain per element, so their results are bitwise equal.
+/// The last three compute the same chain per element, so their results are bitwise equal.
 template <class T>
 void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N,
               Index K, bool accumulate, Arena& arena) {
@@ -472,6 +503,13 @@ void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M
       rows_product<T>(A, lda, M, B.values, B.ld, N, K, C, ldc, accumulate);
     else
       rows_product<T>(A, lda, M, B.bf16, B.ld, N, K, C, ldc, accumulate);
+    return;
+  }
+  if (!B.transposed && M <= kFewRows && S::L > 1 && N % S::L == 0) {
+    if (B.values)
+      few_rows_product<T>(A, lda, B.values, B.ld, M, N, K, C, ldc, accumulate);
+    else
+      few_rows_product<T>(A, lda, B.bf16, B.ld, M, N, K, C, ldc, accumulate);
     return;
   }
   if (!B.transposed && M < kUnpackedRows && S::L > 1 && N % S::L == 0) {
