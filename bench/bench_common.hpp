@@ -60,6 +60,19 @@ inline HeadSplit moh_split(Index heads, Index active_pct) {
   return HeadSplit{shared, active - shared, heads};
 }
 
+/// An MHA config with `head_dim` d (0: D / H), `kv_heads` G (0: H), bias and RoPE as given.
+inline moh::MHAConfig mha_config(Index D, Index H, Index G = 0, Index d = 0, bool bias = true,
+                                 bool rope = false) {
+  moh::MHAConfig c;
+  c.embed_dim = D;
+  c.num_heads = H;
+  c.num_kv_heads = G;
+  c.head_dim = d;
+  c.bias = bias;
+  c.rope = rope;
+  return c;
+}
+
 /// The MoH config of a benchmark: learned router, bias, no RoPE unless told otherwise.
 inline moh::MoHConfig moh_config(Index D, Index H, Index G, const HeadSplit& s,
                                  moh::MoHRouterKind router = moh::MoHRouterKind::Learned,
@@ -71,7 +84,7 @@ inline moh::MoHConfig moh_config(Index D, Index H, Index G, const HeadSplit& s,
   c.shared_heads = s.shared;
   c.active_routed_heads = s.routed_k;
   c.router = router;
-  c.bias = bias;
+  c.qkv_bias = c.proj_bias = bias;
   c.rope = rope;
   return c;
 }
@@ -130,6 +143,16 @@ inline double moa_flops(Index B, Index Tq, Index S, Index D, Index E, Index k, I
          2.0 * N * D * E;
 }
 
+/// JetMoE (multi-head experts, SEMANTICS 9): keys/values 4 N D G d; per token k experts x
+/// (2 D G d query + 4 pairs G d attention + 2 G d D output); router 2 N D E.
+inline double jetmoe_flops(Index B, Index Tq, Index S, Index D, Index G, Index E, Index k,
+                           Index d, bool causal) {
+  const double N = static_cast<double>(B * Tq), w = static_cast<double>(G * d);
+  return 4.0 * N * D * w +
+         k * (2.0 * N * D * w + 4.0 * B * attention_pairs(Tq, S, causal) * w + 2.0 * N * w * D) +
+         2.0 * N * D * E;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Counters.
 // ---------------------------------------------------------------------------------------------
@@ -160,16 +183,16 @@ inline moh::Workspace& bench_workspace() {
   return ws;
 }
 
-/// Times layer.forward (non-causal self-attention) on a seeded random [B, T, D] input, one call
-/// per iteration, on `pool` (null: the calling thread), with the run's workspace and one untimed
-/// warm-up call, so that the timed calls allocate nothing.
+/// Times layer.forward (self-attention, non-causal unless `opts` says otherwise) on a seeded
+/// random [B, T, D] input, one call per iteration, on `pool` (null: the calling thread), with
+/// `opts`, the run's workspace and one untimed warm-up call, so that the timed calls allocate
+/// nothing.
 template <class Layer>
 void time_forward(benchmark::State& state, const Layer& layer, Index B, Index T,
-                  moh::ThreadPool* pool = nullptr) {
+                  moh::ThreadPool* pool = nullptr, moh::ForwardOptions opts = {}) {
   const Index D = layer.embed_dim();
   const moh::Tensor3<float> x = random_activation(B, T, D, 7);
   moh::Tensor3<float> y(B, T, D);
-  moh::ForwardOptions opts;
   opts.pool = pool;
   opts.workspace = &bench_workspace();
   const moh::ConstTensorMap3<float> xm(x.data(), B, T, D);

@@ -72,10 +72,8 @@ void gemm_args(benchmark::internal::Benchmark* b) {
 // ---------------------------------------------------------------------------------------------
 void run_mha_prefill(benchmark::State& state, Index B, Index T, Index D, Index H,
                      moh::ThreadPool* pool) {
-  moh::MHAConfig cfg;
-  cfg.embed_dim = D;
-  cfg.num_heads = H;
-  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(cfg, /*seed=*/42), B, T, pool);
+  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(moh_bench::mha_config(D, H), 42),
+                          B, T, pool);
   const Index d = D / H;
   moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, H, d, false),
                                 static_cast<double>(B * T), 1.0);
@@ -88,6 +86,7 @@ void BM_MHA_Prefill(benchmark::State& state) {
 void mha_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"batch", "tokens", "d_model", "heads"});
   for (const auto& s : kShapes) b->Args({s[0], s[1], s[2], s[3]});
+  b->Args({1, 49, 768, 24});  // MoH-ViT's stage 4 (BM_MoH_ViT_Prefill, moh_bench_families.cpp)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -4,11 +4,16 @@
 //
 //   BM_MHA_Decode/batch:B/context:C/d_model:D/heads:H/kv_heads:G[/bf16:1]
 //   BM_MoH_Decode/batch:B/context:C/d_model:D/heads:H/kv_heads:G/active_pct:P[/bf16:1]
+//   BM_JetMoE_Decode/batch:1/context:4096/d_model:2048/kv_heads:16/experts:8/top_k:2/head_dim:128
+//   BM_MHA_Decode/batch:1/context:4096/d_model:2048/heads:32/kv_heads:16/head_dim:128
 //   BM_MemCopy/bytes:N
 //
 // Layer settings: d_model 1024 runs the defaults (bias, no RoPE) and MoH's learned router with
 // shared = H/4; d_model 4096 is the LLaMA3-8B attention layer (32 heads, 8 kv heads, no bias,
-// RoPE) and MoH uses the parameter-free query-norm router of MoH-LLaMA3, shared = H/4. The label
+// RoPE) and MoH uses the parameter-free query-norm router of MoH-LLaMA3, shared = H/4. JetMoE-8B's
+// attention (16 kv heads of 128, 8 experts, top 2, bias, RoPE) runs against the dense layer with
+// its number of active query heads (2 x 16 = 32 heads of 128 over the same 16 kv heads, RoPE, no
+// bias): a JetMoE step computes only its 2 experts. The label
 // of each run repeats its settings. `bf16:1` runs the same layer with bfloat16 weight storage
 // (WeightStorage::BFloat16): the weight bytes a step streams are halved.
 //
@@ -134,12 +139,7 @@ void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16) {
   const std::string key = fixture_key(state, 5, llama) + (bf16 ? "/bf16" : "");
   if (!f || f->key != key) {
     f.reset();  // free the previous benchmark's cache first
-    moh::MHAConfig cfg;
-    cfg.embed_dim = D;
-    cfg.num_heads = H;
-    cfg.num_kv_heads = G;
-    cfg.bias = !llama;
-    cfg.rope = llama;
+    moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, 0, /*bias=*/!llama, /*rope=*/llama);
     if (bf16) cfg.weight_storage = moh::WeightStorage::BFloat16;
     auto fx = make_fixture<moh::MultiHeadAttention<float>>(key, cfg, B, C, D);
     fx->kv_heads_read = static_cast<double>(B * G);
@@ -196,7 +196,7 @@ void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16) {
     const Index q_heads = all_queries ? H : static_cast<Index>(heads_used.size());
     const Index out_heads = split.active() == H ? H : static_cast<Index>(heads_used.size());
     const double w = static_cast<double>(2 * G * d * D + q_heads * d * D + out_heads * d * D);
-    double other = cfg.bias ? static_cast<double>(2 * G * d + q_heads * d + D) : 0.0;
+    double other = cfg.qkv_bias ? static_cast<double>(2 * G * d + q_heads * d + D) : 0.0;
     if (router == moh::MoHRouterKind::Learned) {
       const auto& r = fx->layer->router();
       other += static_cast<double>(r.routed_weight().size() + r.shared_weight().size() +
@@ -216,6 +216,47 @@ void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16) {
   state.counters["shared_heads"] = static_cast<double>(split.shared);
   state.counters["routed_k"] = static_cast<double>(split.routed_k);
   run_decode(state, *f, B, C, D, flops, split.ratio());
+}
+
+// ---------------------------------------------------------------------------------------------
+// JetMoE-8B's attention, and the dense layer with its number of active query heads.
+// ---------------------------------------------------------------------------------------------
+void BM_JetMoE_Decode(benchmark::State& state) {
+  const Index B = state.range(0), C = state.range(1), D = state.range(2), G = state.range(3),
+              E = state.range(4), k = state.range(5), d = state.range(6);
+  auto& f = fixture_slot<moh::MoAAttention<float>>();
+  const std::string key = fixture_key(state, 7, true);
+  if (!f || f->key != key) {
+    f.reset();
+    const moh::MoAConfig cfg = moh::MoAConfig::jetmoe(D, G, E, k, d);
+    auto fx = make_fixture<moh::MoAAttention<float>>(key, cfg, B, C, D);
+    fx->kv_heads_read = static_cast<double>(B * G);
+    fx->kv_bytes = 2.0 * B * G * static_cast<double>(C + 1) * d * sizeof(float);
+    // K/V projection, the k experts' query and output projections, the router and the bias.
+    fx->weight_bytes = (2.0 * G * d * D + 2.0 * k * G * d * D + D * E + D) * sizeof(float);
+    fx->label = "jetmoe: top-k softmax gates, bias=1 rope=1";
+    f = std::move(fx);
+  }
+  run_decode(state, *f, B, C, D, moh_bench::jetmoe_flops(B, 1, C + 1, D, G, E, k, d, true),
+             static_cast<double>(k) / static_cast<double>(E));
+}
+
+void BM_MHA_Decode_HeadDim(benchmark::State& state) {
+  const Index B = state.range(0), C = state.range(1), D = state.range(2), H = state.range(3),
+              G = state.range(4), d = state.range(5);
+  auto& f = fixture_slot<moh::MultiHeadAttention<float>>();
+  const std::string key = fixture_key(state, 6, true);
+  if (!f || f->key != key) {
+    f.reset();
+    const moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, d, /*bias=*/false, /*rope=*/true);
+    auto fx = make_fixture<moh::MultiHeadAttention<float>>(key, cfg, B, C, D);
+    fx->kv_heads_read = static_cast<double>(B * G);
+    fx->kv_bytes = 2.0 * B * G * static_cast<double>(C + 1) * d * sizeof(float);
+    fx->weight_bytes = static_cast<double>((H + 2 * G) * d * D + D * H * d) * sizeof(float);
+    fx->label = "bias=0 rope=1 (JetMoE's active heads, dense)";
+    f = std::move(fx);
+  }
+  run_decode(state, *f, B, C, D, moh_bench::mha_flops(B, 1, C + 1, D, H, G, d, true), 1.0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -274,6 +315,15 @@ const bool registered = [] {
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct", "bf16"})
       ->Unit(benchmark::kMicrosecond);
   b->Args({1, 4096, 4096, 32, 8, 75, 1});
+
+  b = benchmark::RegisterBenchmark("BM_JetMoE_Decode", BM_JetMoE_Decode);
+  b->ArgNames({"batch", "context", "d_model", "kv_heads", "experts", "top_k", "head_dim"})
+      ->Unit(benchmark::kMicrosecond);
+  b->Args({1, 4096, 2048, 16, 8, 2, 128});
+  b = benchmark::RegisterBenchmark("BM_MHA_Decode", BM_MHA_Decode_HeadDim);
+  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "head_dim"})
+      ->Unit(benchmark::kMicrosecond);
+  b->Args({1, 4096, 2048, 32, 16, 128});
 
   benchmark::RegisterBenchmark("BM_MemCopy", BM_MemCopy)
       ->ArgNames({"bytes"})
