@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
   config.shared_heads = 4;
   config.active_routed_heads = 2;  // of 4 routed heads: 6 of 8 heads per token
   config.router = moh::MoHRouterKind::QueryNorm;
-  config.bias = false;
+  config.qkv_bias = config.proj_bias = false;
   config.rope = true;
 
   Decoder model;
