@@ -574,3 +574,95 @@ TYPED_TEST(FamiliesTest, FairseqMoAIsTheOneKvHeadCaseOfTheSameLayer) {
 }
 
 }  // namespace
+
+namespace {
+
+using namespace moh_test;
+
+// ---- what a cache, a record or a file must not do silently -------------------------------------
+
+TEST(FamiliesChecks, AMemoryCacheNeedsWeightsTakesOnlyItsOptionsAndIsNotDecodedInto) {
+  moh::MoAConfig c = moh::MoAConfig::jetmoe(12, 2, 4, 2, 6);
+  c.kdim = 7;
+  const moh::MoAAttention<float> unset(c);
+  const Tensor3<float> memory = random_tensor<float>(2, 5, 7, 1);
+  EXPECT_TRUE(ErrorMentions([&] { unset.make_memory_cache(memory); }, {"weights not set"}));
+  const moh::MoAAttention<float> layer(c, 2);
+  moh::Tensor4<float> bias(2, 1, 5, 5);
+  bias.setZero();
+  ForwardOptions o;
+  o.attn_bias = bias;
+  EXPECT_TRUE(ErrorMentions([&] { layer.make_memory_cache(memory, o); },
+                            {"make_memory_cache", "attn_bias", "forward_cross"}));
+  moh::KvCache<float> cache = layer.make_memory_cache(memory);
+  EXPECT_TRUE(cache.is_memory());
+  cache.truncate(3);  // room again, but still a memory
+  const moh::MoAAttention<float> self(moh::MoAConfig::jetmoe(12, 2, 4, 2, 6), 3);
+  const Tensor3<float> x = random_tensor<float>(2, 1, 12, 4);
+  Tensor3<float> y(2, 1, 12);
+  EXPECT_TRUE(ErrorMentions([&] { self.forward_cached(x, y, cache); },
+                            {"forward_cached", "make_memory_cache"}));
+}
+
+TEST(FamiliesChecks, ARoutingRecordWithQueryPaddingRoundTrips) {
+  const moh::MoAAttention<float> layer(moa_config(12, 4, 3, 2), 5);
+  const Tensor3<float> x = random_tensor<float>(2, 4, 12, 6);
+  const Mask pad = padding(2, 4, {{1, 3}});
+  ForwardOptions o;
+  o.query_padding_mask = moh::map_mask(pad);
+  moh::MoARouting<float> routing;
+  run(layer, x, o, &routing);
+  moh::SafeTensorsWriter w;
+  moh::save_routing(w, routing, "r.");
+  moh::MoARouting<float> back;
+  moh::load_routing(moh::SafeTensors::from_bytes(w.to_bytes()), back, "r.");
+  EXPECT_EQ(back.selected(7, 0), -1);
+  EXPECT_EQ(back.selected(7, 1), -1);
+  EXPECT_TRUE(BitEqual(back.gates, routing.gates));
+  EXPECT_EQ(back.expert_counts, routing.expert_counts);
+}
+
+TEST(FamiliesChecks, LoadLayerRefusesForeignTensorsAndReadsOldMoHConfigs) {
+  const moh::MoHAttention<float> layer(moh_config(8, 2, 1, 1), 7);
+  moh::SafeTensorsWriter w;
+  moh::save_weights(w, layer, "a.");
+  w.add("a.sr.weight", random_matrix<float>(8, 8, 8));
+  EXPECT_TRUE(ErrorMentions(
+      [&] { moh::load_layer<moh::MoHAttention<float>>(moh::SafeTensors::from_bytes(w.to_bytes()), "a."); },
+      {"a.sr.weight", "AggregatedAttention"}));
+  // A config saved before qkv_bias and proj_bias were apart: "bias" sets both.
+  for (const bool bias : {false, true}) {
+    moh::MoHConfig c = moh_config(8, 2, 1, 1, moh::MoHRouterKind::Learned, 0, 0, bias);
+    const moh::MoHAttention<float> saved(c, 9);
+    moh::SafeTensorsWriter old;
+    moh::save_weights(old, saved, "b.");
+    std::string json = moh::detail::config_json(c).dump();
+    auto j = nlohmann::json::parse(json);
+    j.erase("qkv_bias");
+    j.erase("proj_bias");
+    j["bias"] = bias;
+    old.set_metadata("b.moh.config", j.dump());
+    const moh::MoHConfig back =
+        moh::load_config<moh::MoHConfig>(moh::SafeTensors::from_bytes(old.to_bytes()), "b.");
+    EXPECT_EQ(back.qkv_bias, bias);
+    EXPECT_EQ(back.proj_bias, bias);
+  }
+}
+
+TEST(FamiliesChecks, TheKernelTakesBiasRowsAtOffsets) {
+  // Two queries whose bias rows are given by offsets into one buffer (stride 0): the second
+  // reuses the first's row, so both must see key 1 hidden.
+  const float q[] = {1, 0, 0, 1}, k[] = {1, 0, 0, 1, 1, 1}, v[] = {1, 2, 3, 4, 5, 6};
+  const float row[] = {0, -std::numeric_limits<float>::infinity(), 0};
+  const Index offsets[] = {0, 0};
+  float out[4] = {};
+  moh::attention<float>(moh::AttentionQueries<float>{q, 2, 2, 2, 1.0f, {nullptr, 0}},
+                        moh::AttentionKeysValues<float>{k, 2, v, 2, 3}, moh::AttentionMasking{},
+                        moh::AttentionOutput<float>{out, 2}, nullptr,
+                        moh::AttentionBias<float>{row, 0, offsets});
+  // Query 0 = (1, 0): scores 1, -, 1 over keys 0 and 2: the mean of values 0 and 2.
+  EXPECT_FLOAT_EQ(out[0], 3.0f);
+  EXPECT_FLOAT_EQ(out[1], 4.0f);
+}
+
+}  // namespace

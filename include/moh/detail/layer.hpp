@@ -151,8 +151,25 @@ class AttentionLayer {
     require(memory.dimension(0) > 0 && memory.dimension(1) > 0, name, ": memory: expected at ",
             "least one sequence of one token, got [", memory.dimension(0), ", ",
             memory.dimension(1), ", ", memory.dimension(2), "]");
+    require_weights_set();
     if (const char* why = derived().self_attention_only())
       fail(name, ": make_memory_cache: ", why, ": expected forward (self-attention), got a memory");
+    // Only key_padding_mask, pool and workspace mean something here; the rest belong to the
+    // forward_cross calls that read the cache.
+    const ForwardOptions plain;
+    const char* unused = opts.attn_bias                ? "attn_bias"
+                         : opts.attention_weights      ? "attention_weights"
+                         : opts.query_padding_mask     ? "query_padding_mask"
+                         : opts.new_token_padding_mask ? "new_token_padding_mask"
+                         : opts.causal != plain.causal ? "causal"
+                         : opts.mode != plain.mode     ? "mode"
+                         : opts.position_offset != 0   ? "position_offset"
+                         : (opts.grid_h || opts.grid_w) ? "grid_h, grid_w"
+                                                        : nullptr;
+    if (unused)
+      fail(name, ": make_memory_cache: ", unused, " is an option of the forward_cross calls that "
+           "read the cache: expected only key_padding_mask, pool and workspace here, got ",
+           unused);
     const Index B = memory.dimension(0), S = memory.dimension(1);
     check_padding(opts.key_padding_mask, B, S, "key_padding_mask");
     KvCache<T> cache(B, shape_.Hkv, shape_.d, S);
@@ -162,6 +179,7 @@ class AttentionLayer {
     const RopeTable<T> rope = rope_table(0, S, exec.call());
     write_slots(projected(memory, rope, exec), B, S, opts.key_padding_mask, cache);
     KvCacheAccess::commit(cache, S);
+    KvCacheAccess::mark_memory(cache);
     return cache;
   }
 
@@ -190,6 +208,9 @@ class AttentionLayer {
   void forward_cached(const ConstTensorMap3<T>& x, TensorMap3<T> y, KvCache<T>& cache,
                       const ForwardOptions& opts = {}, Routing* routing = nullptr) const {
     check_call(x, y, opts, Kind::Cached);
+    if (cache.is_memory())
+      fail(Derived::kName, ": forward_cached: this KvCache holds a memory (make_memory_cache), "
+           "which forward_cross reads: expected a cache from make_cache, got a memory cache");
     const Index B = x.dimension(0), Tq = x.dimension(1), start = cache.length();
     KvCacheAccess::check(cache, B, shape_.Hkv, shape_.d, Tq, Derived::kName);
     const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
@@ -307,18 +328,21 @@ class AttentionLayer {
     fail(Derived::kName, ": no weight named '", name, "': expected one of [", names, "]");
   }
 
+  void require_weights_set() const {
+    if (weights_set()) return;
+    std::string unset;
+    for (std::size_t i = 0; i < infos_.size(); ++i)
+      if (!set_[i]) unset += (unset.empty() ? "" : ", ") + infos_[i].name;
+    fail(Derived::kName, ": weights not set: [", unset, "]: expected every weight set (the "
+         "setters or load_weights), or a layer built with a seed or moh::zero_weights");
+  }
+
   void check_call(const ConstTensorMap3<T>& x, const TensorMap3<T>& y, const ForwardOptions& o,
                   Kind kind) const {
     const char* name = Derived::kName;
     require_shape3(name, "x", x, -1, -1, shape_.D);
     require_shape3(name, "y", y, x.dimension(0), x.dimension(1), shape_.D);
-    if (!weights_set()) {
-      std::string unset;
-      for (std::size_t i = 0; i < infos_.size(); ++i)
-        if (!set_[i]) unset += (unset.empty() ? "" : ", ") + infos_[i].name;
-      fail(name, ": weights not set: [", unset, "]: expected every weight set (the setters or "
-           "load_weights), or a layer built with a seed or moh::zero_weights");
-    }
+    require_weights_set();
     if (kind != Kind::Cross && shape_.D_kv != shape_.D)
       fail(name, ": ", kind == Kind::Self ? "forward" : "forward_cached", ": keys and values of "
            "this layer come from a memory of width kdim = ", shape_.D_kv, ", not from x (width ",

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <algorithm>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -113,13 +114,24 @@ void set_weights(Layer& layer, const std::vector<std::vector<T>>& values) {
 /// Loads every tensor of `layer` (MultiHeadAttention, MoHAttention, MoAAttention) from `src`
 /// under `prefix`. All tensors are read and checked before any is set, so on error the layer is
 /// unchanged.
+namespace detail {
+
+/// Throws if `src` holds, under `prefix`, a tensor another module (or configuration) has and a
+/// layer with config `c` would ignore: computing without it would be wrong, not just different.
+template <class Layer>
+void refuse_foreign_weights(const typename Layer::Config& c, const TensorSource& src,
+                            const std::string& prefix) {
+  for (const ForeignWeight& f : Layer::foreign_weights(c))
+    if (src.contains(prefix + f.name))
+      fail(Layer::kName, ": ", src.source(), " has tensor '", prefix, f.name, "': ", f.meaning,
+           "; expected only the tensors of this layer (", names_of(Layer::weight_infos(c)), ")");
+}
+
+}  // namespace detail
+
 template <class Layer>
 void load_weights(Layer& layer, const TensorSource& src, const std::string& prefix = "") {
-  for (const ForeignWeight& f : Layer::foreign_weights(layer.config()))
-    if (src.contains(prefix + f.name))
-      detail::fail(Layer::kName, ": ", src.source(), " has tensor '", prefix, f.name, "': ", f.meaning,
-           "; expected only the tensors of this layer (", detail::names_of(layer.weight_infos()),
-           ")");
+  detail::refuse_foreign_weights<Layer>(layer.config(), src, prefix);
   detail::set_weights(
       layer, detail::read_weights<typename Layer::Scalar>(src, prefix, layer.weight_infos()));
 }
@@ -220,7 +232,17 @@ Config load_config(const TensorSource& st, const std::string& prefix = "") {
     detail::fail(where, ": 'layer': expected \"", Config::kLayer, "\", got ",
                  layer == j.end() ? std::string("nothing") : detail::describe_json(*layer));
   Config c;
-  detail::ConfigReader reader(j, where);
+  nlohmann::json fields = j;
+  if constexpr (std::is_same<Config, MoHConfig>::value) {
+    // Saved before qkv_bias and proj_bias were apart: "bias" set both.
+    const auto legacy = fields.find("bias");
+    if (legacy != fields.end() && !fields.contains("qkv_bias") && !fields.contains("proj_bias")) {
+      fields["qkv_bias"] = *legacy;
+      fields["proj_bias"] = *legacy;
+      fields.erase("bias");
+    }
+  }
+  detail::ConfigReader reader(fields, where);
   Config::fields(c, reader);
   reader.finish();
   c.validate();
@@ -234,6 +256,7 @@ Config load_config(const TensorSource& st, const std::string& prefix = "") {
 template <class Layer>
 Layer load_layer(const TensorSource& st, const std::string& prefix = "") {
   const typename Layer::Config config = load_config<typename Layer::Config>(st, prefix);
+  detail::refuse_foreign_weights<Layer>(config, st, prefix);
   const auto values =
       detail::read_weights<typename Layer::Scalar>(st, prefix, Layer::weight_infos(config));
   Layer layer(config);
@@ -361,8 +384,16 @@ void load_routing(const TensorSource& st, MoARouting<T>& r, const std::string& p
   out.selected.resize(N, k);
   for (Index i = 0; i < N * k; ++i) {
     const std::int64_t e = s[static_cast<std::size_t>(i)];
-    detail::require(e >= 0 && e < E, "tensor '", prefix, "selected' in ", st.source(),
-                    ": element ", i, ": expected an expert index in [0, ", E, "), got ", e);
+    // -1: a query padding token, routed to no expert in any slot, with no gate.
+    const Index row = i / k;
+    const auto slots = s.begin() + static_cast<std::ptrdiff_t>(row * k);
+    const bool padded = e == -1 &&
+                        std::all_of(slots, slots + static_cast<std::ptrdiff_t>(k),
+                                    [](std::int64_t x) { return x == -1; }) &&
+                        out.gates.row(row).cwiseAbs().maxCoeff() == T(0);
+    detail::require((e >= 0 && e < E) || padded, "tensor '", prefix, "selected' in ",
+                    st.source(), ": element ", i, ": expected an expert index in [0, ", E,
+                    ") (or -1 in every slot of a padding token, whose gates are 0), got ", e);
     out.selected.data()[i] = static_cast<Index>(e);
   }
   const std::vector<std::int64_t> counts = st.values<std::int64_t>(prefix + "expert_counts", {E});

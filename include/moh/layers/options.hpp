@@ -119,7 +119,9 @@ struct ForwardOptions {
   /// Off by default, and nothing is spent on it then.
   Tensor4Ref<true> attention_weights;
   /// MoH-ViT's cosine attention only: the token grid [h, w] of x (T = h w, row-major), from which
-  /// the continuous position bias is computed (and kept per grid).
+  /// the continuous position bias is computed (and kept per grid). Left 0 x 0, the layer takes
+  /// its pretraining grid when T has that many tokens (else it is an error): pass the grid for
+  /// any other shape, also one of the same number of tokens (5 x 4 for a 4 x 5 model).
   Index grid_h = 0, grid_w = 0;
   ThreadPool* pool = nullptr;     // threads to use; null = the calling thread only
   Workspace* workspace = nullptr;  // scratch; null = a temporary one (the call then allocates)

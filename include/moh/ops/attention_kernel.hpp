@@ -402,9 +402,10 @@ void attention(const AttentionQueries<T>& queries, const AttentionKeysValues<T>&
                   ", got queries ", queries.stride, ", keys ", kv.key_stride, ", values ",
                   kv.value_stride, ", output ", output.stride);
   const detail::WorkspaceLease lease(workspace, nullptr, "attention");
-  detail::require(bias.data == nullptr || bias.row_stride >= kv.count, "attention: bias rows ",
-                  "must hold every key: expected a row stride >= ", kv.count, ", got ",
-                  bias.row_stride);
+  // Rows at a stride must not overlap; rows at given offsets (or row indices) are the caller's.
+  detail::require(bias.data == nullptr || bias.offsets != nullptr || bias.row_stride >= kv.count,
+                  "attention: bias rows must hold every key: expected a row stride >= ",
+                  kv.count, " (or row offsets), got ", bias.row_stride);
   detail::require(weights.data == nullptr || weights.row_stride >= kv.count, "attention: ",
                   "probability rows must hold every key: expected a row stride >= ", kv.count,
                   ", got ", weights.row_stride);

@@ -61,17 +61,21 @@ class KvCache {
   const T* values(Index b, Index g) const { return values_.data() + offset(b, g); }
   /// Whether slot `slot` (< length()) of sequence b holds a padding token.
   bool is_padding(Index b, Index slot) const { return padding_[b * capacity_ + slot]; }
+  /// Whether the cache holds a memory's keys and values (make_memory_cache): read by
+  /// forward_cross, never extended by forward_cached.
+  bool is_memory() const { return memory_; }
 
  private:
   friend struct detail::KvCacheAccess;
   KvCache(const KvCache& other, int)
       : batch_(other.batch_), kv_heads_(other.kv_heads_), head_dim_(other.head_dim_),
         capacity_(other.capacity_), length_(other.length_), any_padding_(other.any_padding_),
-        keys_(other.keys_), values_(other.values_), padding_(other.padding_) {}
+        memory_(other.memory_), keys_(other.keys_), values_(other.values_), padding_(other.padding_) {}
   Index offset(Index b, Index g) const { return ((b * kv_heads_) + g) * capacity_ * head_dim_; }
 
   Index batch_ = 0, kv_heads_ = 0, head_dim_ = 0, capacity_ = 0, length_ = 0;
   bool any_padding_ = false;      // a slot was marked padding since the cache was last empty
+  bool memory_ = false;           // made by make_memory_cache
   std::vector<T> keys_, values_;  // [batch, kv_heads, capacity, head_dim]
   Eigen::Matrix<bool, Eigen::Dynamic, 1> padding_;  // [batch, capacity], true = padding
 };
@@ -112,6 +116,8 @@ struct KvCacheAccess {
   /// Advances the length after a layer wrote n new slots.
   template <class T>
   static void commit(KvCache<T>& c, Index n) { c.length_ += n; }
+  template <class T>
+  static void mark_memory(KvCache<T>& c) { c.memory_ = true; }
 };
 
 }  // namespace detail
