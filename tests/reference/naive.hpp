@@ -154,6 +154,22 @@ struct AttnOptions {
 // SEMANTICS 2: dense multi-head attention (also the per-head outputs MoH gates)
 // ------------------------------------------------------------------------------------------------
 
+/// Query head h and key/value head g of sequence b: q [T, d] from Q [B*T, H d], k and v [S, d]
+/// from K, V [B*S, H_kv d].
+inline void head_slices(const Mat& Q, const Mat& K, const Mat& V, int b, int h, int g, int T,
+                        int S, int d, Mat& q, Mat& k, Mat& v) {
+  q.resize(T, d);
+  k.resize(S, d);
+  v.resize(S, d);
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < d; ++c) q(t, c) = Q(b * T + t, h * d + c);
+  for (int s = 0; s < S; ++s)
+    for (int c = 0; c < d; ++c) {
+      k(s, c) = K(b * S + s, g * d + c);
+      v(s, c) = V(b * S + s, g * d + c);
+    }
+}
+
 /// Weights of MHA/MoH in PyTorch layout.
 struct MhaWeights {
   int D = 0, H = 0, d = 0, Hkv = 0;
@@ -191,14 +207,8 @@ inline Mat naive_mha_heads(const MhaWeights& w, const Mat& X, int B, int T, cons
     const std::vector<bool> pad = o.pad.empty() ? std::vector<bool>() : o.pad[b];
     for (int h = 0; h < H; ++h) {
       const int g = h / (H / Hkv);  // GQA: repeat_interleave
-      Mat q(T, d), k(S, d), v(S, d);
-      for (int t = 0; t < T; ++t)
-        for (int c = 0; c < d; ++c) q(t, c) = Q(b * T + t, h * d + c);
-      for (int s = 0; s < S; ++s)
-        for (int c = 0; c < d; ++c) {
-          k(s, c) = K(b * S + s, g * d + c);
-          v(s, c) = V(b * S + s, g * d + c);
-        }
+      Mat q, k, v;
+      head_slices(Q, K, V, b, h, g, T, S, d, q, k, v);
       if (w.rope) {
         for (int t = 0; t < T; ++t) {
           std::vector<double> r = row(q, t);

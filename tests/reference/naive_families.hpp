@@ -230,14 +230,8 @@ inline HeadsOut naive_heads_family(const MhaWeights& w, const QkNorm& norm, cons
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < H; ++h) {
       const int g = h / (H / Hkv);
-      Mat q(T, d), k(S, d), v(S, d);
-      for (int t = 0; t < T; ++t)
-        for (int c = 0; c < d; ++c) q(t, c) = Q(b * T + t, h * d + c);
-      for (int s = 0; s < S; ++s)
-        for (int c = 0; c < d; ++c) {
-          k(s, c) = K(b * S + s, g * d + c);
-          v(s, c) = V(b * S + s, g * d + c);
-        }
+      Mat q, k, v;
+      head_slices(Q, K, V, b, h, g, T, S, d, q, k, v);
       for (int t = 0; t < T; ++t) {
         std::vector<double> rq = row(q, t);
         if (norm.on()) layer_norm_row(rq.data(), d, norm.q_w, norm.q_b);

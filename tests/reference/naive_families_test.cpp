@@ -441,6 +441,23 @@ Mat rnd(int rows, int cols, std::uint64_t seed, double scale = 1.0) {
 }
 Vec rndv(int n, std::uint64_t seed) { return moh_test::random_vector<double>(n, seed); }
 
+/// fairseq MoA weights of E experts of size d, top k, seeds seed .. seed + 4 (the router's scaled
+/// by gate_scale).
+moh_ref::MoAWeights random_moa(int D, int d, int E, int k, std::uint64_t seed,
+                               double gate_scale = 1.0) {
+  moh_ref::MoAWeights a;
+  a.D = D;
+  a.d = d;
+  a.E = E;
+  a.k = k;
+  a.Wq = rnd(E * D, d, seed);
+  a.Wo = rnd(E * d, D, seed + 1);
+  a.Wg = rnd(D, E, seed + 2, gate_scale);
+  a.Wk = rnd(d, D, seed + 3);
+  a.Wv = rnd(d, D, seed + 4);
+  return a;
+}
+
 moh_ref::MhaWeights random_mha(int D, int H, int d, std::uint64_t seed) {
   moh_ref::MhaWeights w;
   w.D = D;
@@ -508,16 +525,7 @@ TEST(NaiveFamilies, BiasRowAllMinusInfOutputsZeros) {
   for (int c = 0; c < D; ++c) EXPECT_EQ(rc.y(1 * T + 0, c), w.b_out(c));
   EXPECT_GT(std::abs(rc.y(0, 0) - w.b_out(0)), 0.0);  // batch 0's row 0 still attends
   // MoA (head dimension 1): the row's output is exactly 0.
-  moh_ref::MoAWeights a;
-  a.D = D;
-  a.d = d;
-  a.E = 3;
-  a.k = 2;
-  a.Wq = rnd(a.E * D, d, 16);
-  a.Wo = rnd(a.E * d, D, 17);
-  a.Wg = rnd(D, a.E, 18);
-  a.Wk = rnd(d, D, 19);
-  a.Wv = rnd(d, D, 20);
+  const moh_ref::MoAWeights a = random_moa(D, d, 3, 2, 16);
   const moh_ref::MoAFamilyResult ra = moh_ref::naive_moa_family(a, in);
   for (int b = 0; b < B; ++b)
     for (int c = 0; c < D; ++c) EXPECT_EQ(ra.y(b * T + 1, c), 0.0);
@@ -597,16 +605,7 @@ TEST(NaiveFamilies, BiasIsAddedAfterTheScaling) {
 
 TEST(NaiveFamilies, MoAQueryPaddingLeavesTheOtherTokensAlone) {
   const int B = 2, T = 5, D = 12, d = 4;
-  moh_ref::MoAWeights a;
-  a.D = D;
-  a.d = d;
-  a.E = 4;
-  a.k = 2;
-  a.Wq = rnd(a.E * D, d, 51);
-  a.Wo = rnd(a.E * d, D, 52);
-  a.Wg = rnd(D, a.E, 53, 2.0);
-  a.Wk = rnd(d, D, 54);
-  a.Wv = rnd(d, D, 55);
+  const moh_ref::MoAWeights a = random_moa(D, d, 4, 2, 51, 2.0);
   FamilyInput in = random_input(B, T, D, 56);
   FamilyInput padded = in;
   padded.query_padding = PadMask{{false, true, false, false, true}, {true, false, false, false, false}};
