@@ -12,6 +12,7 @@
 #include "moh/tensor.hpp"
 
 #include "moh/runtime/kv_cache.hpp"
+#include "moh/runtime/large_buffer.hpp"
 #include "moh/runtime/thread_pool.hpp"
 #include "moh/runtime/workspace.hpp"
 

@@ -1,15 +1,16 @@
 // Compiled (not run) by the umbrella_headers_stay_plain_* tests: <moh/moh.hpp> brings the layers,
-// ops and runtime without nlohmann-json or POSIX headers, and <moh/io.hpp> brings checkpoints
+// ops and runtime without nlohmann-json or POSIX file headers, and <moh/io.hpp> brings checkpoints
 // without the golden-case runner.
 #include "moh/moh.hpp"
 
 #if defined(NLOHMANN_JSON_VERSION_MAJOR) || defined(INCLUDE_NLOHMANN_JSON_HPP_)
 #error "<moh/moh.hpp> includes nlohmann-json"
 #endif
-// The POSIX headers the checkpoint reader maps files with (io/mapped_file.hpp). Not <unistd.h>:
-// libstdc++'s own <thread> brings that one in C++20.
-#if defined(_SYS_MMAN_H) || defined(_FCNTL_H) || defined(_SYS_STAT_H)
-#error "<moh/moh.hpp> includes POSIX headers"
+// The POSIX headers the checkpoint reader opens and maps files with (io/mapped_file.hpp). Not
+// <unistd.h>: libstdc++'s own <thread> brings that one in C++20. Not <sys/mman.h>: the compute
+// headers ask for huge pages with madvise (runtime/large_buffer.hpp), on Linux only.
+#if defined(_FCNTL_H) || defined(_SYS_STAT_H)
+#error "<moh/moh.hpp> includes POSIX file headers"
 #endif
 
 #include "moh/io.hpp"

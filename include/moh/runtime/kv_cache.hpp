@@ -7,8 +7,7 @@
 // makes it (make_cache) and is the only one that writes it.
 #pragma once
 
-#include <vector>
-
+#include "moh/runtime/large_buffer.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
@@ -27,8 +26,9 @@ class KvCache {
                     "KvCache: sizes must be positive: expected batch, kv_heads, head_dim, "
                     "capacity > 0, got ",
                     batch, ", ", kv_heads, ", ", head_dim, ", ", capacity);
-    keys_.assign(static_cast<std::size_t>(batch * kv_heads * capacity * head_dim), T(0));
-    values_.assign(keys_.size(), T(0));
+    // Zeroed, in huge pages where the system allows (a decode step streams all of it).
+    keys_ = LargeBuffer<T>(static_cast<std::size_t>(batch * kv_heads * capacity * head_dim));
+    values_ = LargeBuffer<T>(keys_.size());
     padding_.setConstant(batch * capacity, false);
   }
 
@@ -70,13 +70,14 @@ class KvCache {
   KvCache(const KvCache& other, int)
       : batch_(other.batch_), kv_heads_(other.kv_heads_), head_dim_(other.head_dim_),
         capacity_(other.capacity_), length_(other.length_), any_padding_(other.any_padding_),
-        memory_(other.memory_), keys_(other.keys_), values_(other.values_), padding_(other.padding_) {}
+        memory_(other.memory_), keys_(other.keys_), values_(other.values_),
+        padding_(other.padding_) {}
   Index offset(Index b, Index g) const { return ((b * kv_heads_) + g) * capacity_ * head_dim_; }
 
   Index batch_ = 0, kv_heads_ = 0, head_dim_ = 0, capacity_ = 0, length_ = 0;
   bool any_padding_ = false;      // a slot was marked padding since the cache was last empty
   bool memory_ = false;           // made by make_memory_cache
-  std::vector<T> keys_, values_;  // [batch, kv_heads, capacity, head_dim]
+  LargeBuffer<T> keys_, values_;  // [batch, kv_heads, capacity, head_dim]
   Eigen::Matrix<bool, Eigen::Dynamic, 1> padding_;  // [batch, capacity], true = padding
 };
 
