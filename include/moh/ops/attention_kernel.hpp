@@ -161,6 +161,98 @@ constexpr bool tiled_head(Index d) {
   return packet_size<T>() > 1 && d % packet_size<T>() == 0;
 }
 
+
+// A decode step's few queries (a group of query heads over one key/value head): scores and
+// weighted values straight from the keys and values where they lie (the cache's rows), one pass
+// over each, nothing laid out. Below kPackedQueries queries a block of keys is not worth
+// copying: each key is used by so few queries that the copy costs more than the products.
+constexpr Index kPackedQueries = 8;
+
+/// S[r, c] = scale * q_r . k_c for NQ queries (rows at q_stride) and nk keys (rows at
+/// k_stride) of d = whole packets; S rows at ld. Four keys at a time, so that 4 NQ independent
+/// sums are in flight; each score is a packet-wise sum over d, then reduced.
+template <class T, int NQ>
+void few_query_scores(const T* q, Index q_stride, const T* k, Index k_stride, Index nk, Index d,
+                      T scale, T* S, Index ld) {
+  using P = GemmPacket<T>;
+  constexpr Index L = packet_size<T>();
+  constexpr int KB = 4;
+  Index c = 0;
+  for (; c + KB <= nk; c += KB) {
+    P acc[NQ][KB];
+    for (int r = 0; r < NQ; ++r)
+      for (int j = 0; j < KB; ++j) acc[r][j] = Eigen::internal::pset1<P>(T(0));
+    for (int j = 0; j < KB; ++j) {
+      const T* kr = k + (c + j) * k_stride;
+      for (Index x = 0; x < d; x += L) {
+        const P kv = Eigen::internal::ploadu<P>(kr + x);
+        for (int r = 0; r < NQ; ++r)
+          acc[r][j] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q + r * q_stride + x), kv,
+                                             acc[r][j]);
+      }
+    }
+    for (int r = 0; r < NQ; ++r)
+      for (int j = 0; j < KB; ++j) S[r * ld + c + j] = scale * Eigen::internal::predux(acc[r][j]);
+  }
+  for (; c < nk; ++c)
+    for (int r = 0; r < NQ; ++r) {
+      P acc = Eigen::internal::pset1<P>(T(0));
+      for (Index x = 0; x < d; x += L)
+        acc = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q + r * q_stride + x),
+                                     Eigen::internal::ploadu<P>(k + c * k_stride + x), acc);
+      S[r * ld + c] = scale * Eigen::internal::predux(acc);
+    }
+}
+
+/// A[r, x0 : x0 + NP L] += sum_c W[r, c] v_c[x0 : ...] for NQ rows: the accumulators stay in
+/// registers over all nk keys (each element one chain over c in order).
+template <class T, int NQ, int NP>
+void few_query_values_panel(const T* W, Index ldw, const T* v, Index v_stride, Index nk,
+                            Index x0, T* A, Index lda) {
+  using P = GemmPacket<T>;
+  constexpr Index L = packet_size<T>();
+  P acc[NQ][NP];
+  for (int r = 0; r < NQ; ++r)
+    for (int j = 0; j < NP; ++j) acc[r][j] = Eigen::internal::ploadu<P>(A + r * lda + x0 + j * L);
+  for (Index c = 0; c < nk; ++c) {
+    P vv[NP];
+    for (int j = 0; j < NP; ++j) vv[j] = Eigen::internal::ploadu<P>(v + c * v_stride + x0 + j * L);
+    for (int r = 0; r < NQ; ++r) {
+      const P w = Eigen::internal::pset1<P>(W[r * ldw + c]);
+      for (int j = 0; j < NP; ++j) acc[r][j] = Eigen::internal::pmadd(w, vv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < NQ; ++r)
+    for (int j = 0; j < NP; ++j) Eigen::internal::pstoreu(A + r * lda + x0 + j * L, acc[r][j]);
+}
+
+/// A[NQ, d] += W[NQ, nk] V[nk, d] (V rows at v_stride, d whole packets), in column panels that
+/// keep NQ x panel accumulators in registers.
+template <class T, int NQ>
+void few_query_values(const T* W, Index ldw, const T* v, Index v_stride, Index nk, Index d, T* A,
+                      Index lda) {
+  constexpr Index L = packet_size<T>();
+  constexpr int kRegisters = 24;  // accumulators (AVX-512 has 32 vector registers)
+  constexpr int NP = std::min(8, std::max(1, kRegisters / NQ));
+  Index x0 = 0;
+  for (; x0 + NP * L <= d; x0 += NP * L)
+    few_query_values_panel<T, NQ, NP>(W, ldw, v, v_stride, nk, x0, A, lda);
+  for (; x0 < d; x0 += L) few_query_values_panel<T, NQ, 1>(W, ldw, v, v_stride, nk, x0, A, lda);
+}
+
+/// Calls fn(std::integral_constant<int, n>{}, r0) for chunks of at most 4 of `rows` rows.
+template <class Fn>
+void for_query_chunks(Index rows, Fn&& fn) {
+  for (Index r0 = 0; r0 < rows; r0 += 4) {
+    switch (std::min<Index>(4, rows - r0)) {
+      case 4: fn(std::integral_constant<int, 4>{}, r0); break;
+      case 3: fn(std::integral_constant<int, 3>{}, r0); break;
+      case 2: fn(std::integral_constant<int, 2>{}, r0); break;
+      default: fn(std::integral_constant<int, 1>{}, r0); break;
+    }
+  }
+}
+
 }  // namespace detail
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -215,7 +307,8 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
   constexpr Index L = detail::packet_size<T>();
   // Register-tiled products for whole-packet head sizes and enough queries to pay for laying
   // out the keys; otherwise (odd d, a decode step's few queries) Eigen's GEMM/GEMV.
-  const bool fast = tiled_head<T>(d) && (packed != nullptr || n_q >= 8);
+  const bool fast = tiled_head<T>(d) && (packed != nullptr || n_q >= kPackedQueries);
+  const bool few = !fast && tiled_head<T>(d);  // few_query_scores / few_query_values
   eigen_assert(packed == nullptr || packed->keys == S);
   Arena::Scope scope(arena);
   AttentionTiles<T> scratch(arena, d);
@@ -277,6 +370,14 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
         }
         attention_product<T>(scratch.queries.data(), d, kt, kt_stride, nq, padded, d,
                              scratch.scores.data(), scratch.scores.outerStride(), false);
+      } else if (few) {
+        const T* qb = q + i0 * q_stride;
+        T* sb = scratch.scores.data();
+        const Index ld = scratch.scores.outerStride();
+        for_query_chunks(nq, [&](auto n, Index r0) {
+          few_query_scores<T, decltype(n)::value>(qb + r0 * q_stride, q_stride, k + j0 * k_stride,
+                                                  k_stride, nk, d, scale, sb + r0 * ld, ld);
+        });
       } else {
         s.noalias() = (Q * K.transpose()) * scale;
       }
@@ -346,6 +447,13 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
       if (fast) {
         attention_product<T>(s.data(), s.outerStride(), v_block, d, nq, d, nk, acc.data(),
                              acc.outerStride(), true);
+      } else if (few) {
+        for_query_chunks(nq, [&](auto n, Index r0) {
+          few_query_values<T, decltype(n)::value>(s.data() + r0 * s.outerStride(), s.outerStride(),
+                                                  v + j0 * v_stride, v_stride, nk, d,
+                                                  acc.data() + r0 * acc.outerStride(),
+                                                  acc.outerStride());
+        });
       } else {
         acc.noalias() +=
             s * ConstStridedMap<T>(v + j0 * v_stride, nk, d, Eigen::OuterStride<>(v_stride));
