@@ -395,8 +395,11 @@ void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<
   if (pairs < plan.heads * kRoutedColumnRows || head_weight_bytes > kRoutedRowTileWeightBytes) {
     Index most = 0;
     for (Index h = 0; h < plan.heads; ++h) most = std::max(most, plan.count(h));
-    parallel_for(exec.pool, blocks_of(D_out, kRoutedColumnTile), [&](std::int64_t task, int thread) {
-      const Index c0 = task * kRoutedColumnTile, m = std::min(kRoutedColumnTile, D_out - c0);
+    // A decode step's few rows: wide tiles, so that each head's weights (one contiguous panel
+    // per head, MoHAttention) stream in long runs rather than 128-column pieces.
+    const Index tile = n_rows <= kFewRows ? linear_tile(D_out, 256, 64) : kRoutedColumnTile;
+    parallel_for(exec.pool, blocks_of(D_out, tile), [&](std::int64_t task, int thread) {
+      const Index c0 = task * tile, m = std::min(tile, D_out - c0);
       Arena& arena = exec.thread(thread);
       const Arena::Scope scope(arena);
       MatrixMap<T> p = arena.matrix<T>(most, m);

@@ -29,8 +29,13 @@ template <class T>
 class Projections {
  public:
   Projections() = default;
-  Projections(const HeadShape& s, bool in_bias, bool out_bias, WeightStorage storage)
-      : s_(s), in_w_(in_rows(), s.D, storage), out_w_(s.D, q_width(), storage) {
+  /// `per_head_output`: out_w is stored in column panels of one head each (a layer that runs only
+  /// some heads reads each active head's slice as one contiguous run); the products read it the
+  /// same way either way.
+  Projections(const HeadShape& s, bool in_bias, bool out_bias, WeightStorage storage,
+              bool per_head_output = false)
+      : s_(s), in_w_(in_rows(), s.D, storage),
+        out_w_(s.D, q_width(), storage, per_head_output ? s.d : 0) {
     if (in_bias) in_b_.setZero(in_rows());
     if (out_bias) out_b_.setZero(s.D);
   }
@@ -141,7 +146,7 @@ class Projections {
   HeadShape s_;
   WeightMatrix<T> in_w_;   // [(H + 2 H_kv) d, D]
   Vector<T> in_b_;         // [(H + 2 H_kv) d] or empty
-  WeightMatrix<T> out_w_;  // [D, H d]
+  WeightMatrix<T> out_w_;  // [D, H d], row-major or in panels of one head's d columns
   Vector<T> out_b_;        // [D] or empty
 };
 

@@ -206,7 +206,8 @@ class MoHAttention : public detail::AttentionLayer<MoHAttention<T>, T, MoHRoutin
   explicit MoHAttention(const MoHConfig& config)
       : Base(validated(config), weight_infos(config)),
         config_(config),
-        proj_(this->shape(), config.qkv_bias, config.proj_bias, config.weight_storage),
+        proj_(this->shape(), config.qkv_bias, config.proj_bias, config.weight_storage,
+              /*per_head_output=*/true),
         router_(config.embed_dim, config.num_heads, config.shared_heads,
                 config.active_routed_heads) {
     const Index H = this->shape().H, d = this->shape().d, hid = config.cpb_hidden;

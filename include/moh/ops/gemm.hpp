@@ -37,6 +37,9 @@ namespace detail {
 /// `reach` (untransposed B only) is how many rows of the storage, from B's first row on, the
 /// unpacked kernels may prefetch: a routed expert's weights are followed by the next expert's,
 /// which the same call reads next. 0: just the product's depth.
+/// A transposed B may also be stored in panels of depth: k runs of `panel_depth` (a weight matrix
+/// kept in column panels, one per head), the run that holds k at `panel_stride` elements from the
+/// previous one; src then points at element (k = 0, n = 0), `panel_k` deep into its run.
 template <class T>
 struct GemmB {
   const T* values = nullptr;
@@ -44,17 +47,29 @@ struct GemmB {
   Index ld = 0;
   bool transposed = false;
   Index reach = 0;
+  Index panel_depth = 0;  // transposed only: 0 = one run over all of k
+  Index panel_stride = 0;
+  Index panel_k = 0;
 
   /// The same matrix without its first `k` rows and `n` columns.
   GemmB offset(Index k, Index n) const {
     GemmB b = *this;
     if (!transposed && reach > 0) b.reach = std::max<Index>(0, reach - k);
-    const Index at = transposed ? n * ld + k : k * ld + n;
+    Index at = transposed ? n * ld + k : k * ld + n;
+    if (transposed && panel_depth > 0) {
+      const Index deep = panel_k + k;  // from the start of the current run
+      b.panel_k = deep % panel_depth;
+      at = n * ld + (deep / panel_depth) * panel_stride + b.panel_k - panel_k;
+    }
     if (values != nullptr)
       b.values += at;
     else
       b.bf16 += at;
     return b;
+  }
+  /// How many k from the first on lie in one run of storage (all of them without panels).
+  Index run(Index depth) const {
+    return transposed && panel_depth > 0 ? std::min(depth, panel_depth - panel_k) : depth;
   }
 };
 
@@ -313,10 +328,15 @@ void pack_rows(const Src* src, Index lds, Index rows, Index cols, T* dst, Index 
 template <class T>
 void pack_b_panel(const GemmB<T>& b, Index kc, Index w, Index NR, T* panel) {
   if (b.transposed) {
-    if (b.values)
-      pack_transposed<T>(b.values, b.ld, w, kc, panel, NR);
-    else
-      pack_transposed<T>(b.bf16, b.ld, w, kc, panel, NR);
+    for (Index k = 0; k < kc;) {  // one run of the storage at a time
+      const GemmB<T> s = b.offset(k, 0);
+      const Index n = s.run(kc - k);
+      if (s.values)
+        pack_transposed<T>(s.values, s.ld, w, n, panel + k * NR, NR);
+      else
+        pack_transposed<T>(s.bf16, s.ld, w, n, panel + k * NR, NR);
+      k += n;
+    }
   } else if (b.values) {
     pack_rows<T>(b.values, b.ld, kc, w, panel, NR);
   } else {
@@ -423,6 +443,7 @@ void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   constexpr Index kGroup = 8;  // independent accumulators hide the FMA latency
+  constexpr Index kShortRow = 256;
   const Index whole = K / L * L;
   for (Index j0 = 0; j0 < count; j0 += kGroup) {
     const Index g = std::min(kGroup, count - j0);
@@ -430,7 +451,16 @@ void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index
       const T* a = A + r * lda;
       P acc[kGroup];
       for (Index jj = 0; jj < kGroup; ++jj) acc[jj] = Eigen::internal::pset1<P>(T(0));
-      if (g == kGroup) {
+      if (g == kGroup && K <= kShortRow) {
+        // Short rows (one head's slice): the group's rows one after the other, in memory order,
+        // so that the hardware prefetcher sees one stream rather than 8 runs of a few lines.
+        for (Index jj = 0; jj < kGroup; ++jj) {
+          const Src* w = W + (j0 + jj) * ldw;
+          for (Index k = 0; k < whole; k += L)
+            acc[jj] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(a + k), load_packet<T>(w + k),
+                                             acc[jj]);
+        }
+      } else if (g == kGroup) {
         for (Index k = 0; k < whole; k += L) {
           const P av = Eigen::internal::ploadu<P>(a + k);
           for (Index jj = 0; jj < kGroup; ++jj)
@@ -499,10 +529,16 @@ void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M
               Index K, bool accumulate, Arena& arena) {
   using S = GemmShape<T>;
   if (B.transposed && M <= kFewRows) {
-    if (B.values)
-      rows_product<T>(A, lda, M, B.values, B.ld, N, K, C, ldc, accumulate);
-    else
-      rows_product<T>(A, lda, M, B.bf16, B.ld, N, K, C, ldc, accumulate);
+    Index k = 0;
+    do {  // one run of the storage (a head's panel) at a time; once when K = 0 (C = 0 or kept)
+      const GemmB<T> s = B.offset(k, 0);
+      const Index n = s.run(K - k);
+      if (s.values)
+        rows_product<T>(A + k, lda, M, s.values, s.ld, N, n, C, ldc, accumulate || k > 0);
+      else
+        rows_product<T>(A + k, lda, M, s.bf16, s.ld, N, n, C, ldc, accumulate || k > 0);
+      k += n;
+    } while (k < K);
     return;
   }
   if (!B.transposed && M <= kFewRows && S::L > 1 && N % S::L == 0) {

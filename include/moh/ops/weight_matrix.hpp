@@ -16,6 +16,7 @@
 #include "moh/float16.hpp"
 #include "moh/ops/gemm.hpp"
 #include "moh/ops/linear.hpp"
+#include "moh/runtime/large_buffer.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
@@ -46,10 +47,11 @@ class WeightMatrix {
         storage_(storage) {
     detail::require(rows >= 0 && cols >= 0 && panel >= 0, "WeightMatrix: sizes must be >= 0: ",
                     "expected rows, cols, panel >= 0, got ", rows, ", ", cols, ", ", panel);
+    // Zeroed, in huge pages where the system allows (a decode step streams all of it).
     if (storage_ == WeightStorage::Native)
-      native_.setZero(rows * cols);
+      native_ = LargeBuffer<T>(static_cast<std::size_t>(rows * cols));
     else
-      bf16_.assign(static_cast<std::size_t>(rows * cols), 0);
+      bf16_ = LargeBuffer<std::uint16_t>(static_cast<std::size_t>(rows * cols));
   }
 
   Index rows() const { return rows_; }
@@ -104,19 +106,24 @@ class WeightMatrix {
   /// This matrix from element (r0, c0) on as the B operand of detail::gemm(): B = W^T
   /// (B(k, n) = W(r0 + n, c0 + k)) when `transposed`, else B(k, n) = W(r0 + k, c0 + n). An
   /// untransposed operand reaches to W's last row, so that a product over one expert's rows
-  /// prefetches the next expert's. With column panels the operand must be untransposed and its
-  /// columns must stay in c0's panel.
+  /// prefetches the next expert's. With column panels, an untransposed operand's columns must
+  /// stay in c0's panel; a transposed one runs across the panels (which must then all be whole).
   detail::GemmB<T> operand(Index r0, Index c0, bool transposed) const {
     eigen_assert(r0 >= 0 && c0 >= 0 && r0 <= rows_ && c0 <= cols_);
-    detail::require(panel_ == cols_ || !transposed,
-                    "WeightMatrix: a matrix stored in column panels has no transposed operand: "
-                    "expected panel width ", cols_, ", got ", panel_);
+    detail::require(panel_ == cols_ || !transposed || cols_ % panel_ == 0,
+                    "WeightMatrix: a transposed operand needs whole column panels: expected a "
+                    "panel width that divides ", cols_, ", got ", panel_);
     const Index j0 = panel_ > 0 ? std::min(c0, cols_ - 1) / panel_ * panel_ : 0;
     const Index w = width(j0), at = rows_ * j0 + r0 * w + (c0 - j0);
     detail::GemmB<T> b;
     b.ld = w;
     b.transposed = transposed;
     b.reach = transposed ? 0 : rows_ - r0;
+    if (transposed && panel_ < cols_) {
+      b.panel_depth = panel_;
+      b.panel_stride = rows_ * panel_;
+      b.panel_k = c0 - j0;
+    }
     if (storage_ == WeightStorage::Native)
       b.values = native_.data() + at;
     else
@@ -149,8 +156,8 @@ class WeightMatrix {
 
   Index rows_ = 0, cols_ = 0, panel_ = 0;
   WeightStorage storage_ = WeightStorage::Native;
-  Vector<T> native_;                 // rows * cols when Native, in the layout above
-  std::vector<std::uint16_t> bf16_;  // rows * cols when BFloat16, in the layout above
+  LargeBuffer<T> native_;              // rows * cols when Native, in the layout above
+  LargeBuffer<std::uint16_t> bf16_;    // rows * cols when BFloat16, in the layout above
 };
 
 namespace detail {
