@@ -1,0 +1,87 @@
+// Decoding on a thread pool (detail/layer.hpp's forward_cached, detail/attend.hpp's drivers): a
+// prompt and then single-token steps through a KV cache give the same bits on 1, 2 or 3 threads
+// as on the calling thread alone, for every layer kind, dense and routed, float and bfloat16
+// weights. Also built into moh_thread_tests, which CI runs under ThreadSanitizer.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "layers/layer_test_support.hpp"
+#include "moh/moh.hpp"
+#include "test_helpers.hpp"
+
+namespace {
+
+using moh::Index;
+
+constexpr Index kBatch = 2, kPrompt = 21, kSteps = 4;
+
+/// The prompt's outputs and then each step's, [B, kPrompt + kSteps, D], decoded on `pool`.
+template <class Layer>
+moh::Tensor3<float> decode(const Layer& layer, moh::ThreadPool* pool) {
+  const Index D = layer.embed_dim(), T = kPrompt + kSteps;
+  const moh::Tensor3<float> x = moh_test::random_tensor<float>(kBatch, T, D, 5);
+  moh::Tensor3<float> y(kBatch, T, D);
+  moh::KvCache<float> cache = layer.make_cache(kBatch, T);
+  moh::ForwardOptions opts;
+  opts.pool = pool;
+  moh::Workspace ws;
+  opts.workspace = &ws;
+  for (Index t = 0; t < T;) {
+    const Index n = t == 0 ? kPrompt : 1;
+    moh::Tensor3<float> xs = x.slice(Eigen::array<Index, 3>{0, t, 0},
+                                     Eigen::array<Index, 3>{kBatch, n, D});
+    moh::Tensor3<float> ys(kBatch, n, D);
+    layer.forward_cached(xs, ys, cache, opts);
+    y.slice(Eigen::array<Index, 3>{0, t, 0}, Eigen::array<Index, 3>{kBatch, n, D}) = ys;
+    t += n;
+  }
+  return y;
+}
+
+template <class Layer>
+void expect_decode_independent_of_threads(const typename Layer::Config& c, const std::string& what) {
+  for (moh::WeightStorage storage : {moh::WeightStorage::Native, moh::WeightStorage::BFloat16}) {
+    typename Layer::Config config = c;
+    config.weight_storage = storage;
+    const Layer layer(config, 17);
+    moh_test::expect_same_bits_for_any_thread_count(
+        [&](moh::ThreadPool* pool) { return decode(layer, pool); },
+        what + (storage == moh::WeightStorage::BFloat16 ? " bf16" : " float"));
+  }
+}
+
+TEST(DecodeThreads, MhaGroupedQueryWithRope) {
+  // head_dim 32: the register-tiled and few-query kernels (whole packets) run.
+  expect_decode_independent_of_threads<moh::MultiHeadAttention<float>>(
+      moh_test::mha_config(128, 8, 2, 32, /*bias=*/false, /*rope=*/true), "mha gqa rope");
+}
+
+TEST(DecodeThreads, MhaOddHeadSize) {
+  expect_decode_independent_of_threads<moh::MultiHeadAttention<float>>(
+      moh_test::mha_config(60, 4, 0, 15), "mha head_dim 15");
+}
+
+TEST(DecodeThreads, MoHQueryNormRouter) {
+  expect_decode_independent_of_threads<moh::MoHAttention<float>>(
+      moh_test::moh_config(128, 8, 2, 4, moh::MoHRouterKind::QueryNorm, 2, 32, false, true),
+      "moh query-norm");
+}
+
+TEST(DecodeThreads, MoHLearnedRouter) {
+  expect_decode_independent_of_threads<moh::MoHAttention<float>>(
+      moh_test::moh_config(128, 8, 2, 3, moh::MoHRouterKind::Learned, 0, 16), "moh learned");
+}
+
+TEST(DecodeThreads, JetMoEMultiHeadExperts) {
+  expect_decode_independent_of_threads<moh::MoAAttention<float>>(
+      moh::MoAConfig::jetmoe(128, 2, 6, 2, 32), "jetmoe");
+}
+
+TEST(DecodeThreads, FairseqMoA) {
+  expect_decode_independent_of_threads<moh::MoAAttention<float>>(
+      moh_test::moa_config(64, 16, 6, 2), "fairseq moa");
+}
+
+}  // namespace
