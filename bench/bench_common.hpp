@@ -183,6 +183,13 @@ inline moh::Workspace& bench_workspace() {
   return ws;
 }
 
+/// Options of a causal self-attention call.
+inline moh::ForwardOptions causal_options() {
+  moh::ForwardOptions o;
+  o.causal = moh::Causal::On;
+  return o;
+}
+
 /// Times layer.forward (self-attention, non-causal unless `opts` says otherwise) on a seeded
 /// random [B, T, D] input, one call per iteration, on `pool` (null: the calling thread), with
 /// `opts`, the run's workspace and one untimed warm-up call, so that the timed calls allocate

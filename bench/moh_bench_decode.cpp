@@ -6,7 +6,10 @@
 //   BM_MoH_Decode/batch:B/context:C/d_model:D/heads:H/kv_heads:G/active_pct:P[/bf16:1]
 //   BM_JetMoE_Decode/batch:1/context:4096/d_model:2048/kv_heads:16/experts:8/top_k:2/head_dim:128
 //   BM_MHA_Decode/batch:1/context:4096/d_model:2048/heads:32/kv_heads:16/head_dim:128
-//   BM_MemCopy/bytes:N
+//   BM_MHA_Decode/batch:1/context:4096/d_model:4096/heads:32/kv_heads:8/threads:2 (wall_us)
+//   BM_MHA_Prefill/batch:1/tokens:2048/d_model:4096/heads:32/kv_heads:8/causal:1
+//   BM_MoH_Prefill/batch:1/tokens:2048/d_model:4096/heads:32/kv_heads:8/causal:1/active_pct:75
+//   BM_MemRead/bytes:N, BM_MemCopy/bytes:N
 //
 // Layer settings: d_model 1024 runs the defaults (bias, no RoPE) and MoH's learned router with
 // shared = H/4; d_model 4096 is the LLaMA3-8B attention layer (32 heads, 8 kv heads, no bias,
@@ -31,7 +34,10 @@
 // counted when any of its query heads is active for that sequence's token (measured from the
 // routing of the step itself). total_GBps adds the weight bytes the step touches: all K/V
 // projection rows, the query rows and output columns of the active heads (all of them for the
-// query-norm router, which needs every query), the biases and the router's weights.
+// query-norm router, which needs every query), the biases and the router's weights. step_MB: those
+// bytes per step. wall_us: wall-clock time per step; the `threads:N` rows compare by it (their
+// reported time is the calling thread's CPU time, so that the names carry no /real_time).
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <set>
@@ -104,39 +110,54 @@ std::string fixture_key(const benchmark::State& state, int args, bool llama) {
 
 void roll_back(moh::KvCache<float>& cache, Index context) { cache.truncate(context); }
 
+/// The pool of the `threads:N` rows (null: the calling thread alone).
+moh::ThreadPool* decode_pool(Index threads) {
+  static std::unique_ptr<moh::ThreadPool> pool;
+  if (threads <= 1) return nullptr;
+  if (!pool || pool->size() != threads) pool = std::make_unique<moh::ThreadPool>(static_cast<int>(threads));
+  return pool.get();
+}
+
 template <class Layer>
 void run_decode(benchmark::State& state, DecodeFixture<Layer>& f, Index B, Index C, Index D,
-                double flops, double active_ratio) {
+                double flops, double active_ratio, Index threads = 1) {
   const moh::ConstTensorMap3<float> xm(f.x.data(), B, 1, D);
   moh::ForwardOptions opts;
   opts.causal = moh::Causal::On;
   opts.workspace = &moh_bench::bench_workspace();
+  opts.pool = decode_pool(threads);
   roll_back(f.cache, C);  // one untimed step sizes the workspace
   f.layer->forward_cached(xm, moh::TensorMap3<float>(f.y.data(), B, 1, D), f.cache, opts);
+  double wall = 0;  // seconds: the `threads:N` rows keep their plain names (no /real_time)
   for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
     roll_back(f.cache, C);
     f.layer->forward_cached(xm, moh::TensorMap3<float>(f.y.data(), B, 1, D), f.cache, opts);
     moh_bench::keep(f.y.data());
+    wall += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
+  state.counters["wall_us"] = wall * 1e6 / static_cast<double>(std::max<std::int64_t>(1, state.iterations()));
   moh_bench::set_layer_counters(state, flops, static_cast<double>(B), active_ratio);
   const double it = static_cast<double>(state.iterations());
   state.counters["kv_GBps"] = benchmark::Counter(f.kv_bytes * it * 1e-9, benchmark::Counter::kIsRate);
   state.counters["total_GBps"] = benchmark::Counter((f.kv_bytes + f.weight_bytes) * it * 1e-9,
                                                     benchmark::Counter::kIsRate);
+  state.counters["step_MB"] = (f.kv_bytes + f.weight_bytes) * 1e-6;  // bytes moved per step
   state.counters["kv_MiB"] = f.kv_bytes / (1024.0 * 1024.0);
   state.counters["weight_MiB"] = f.weight_bytes / (1024.0 * 1024.0);
   state.counters["kv_heads_read"] = f.kv_heads_read;
+  state.counters["threads"] = static_cast<double>(threads);
   state.SetLabel(f.label);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Dense MHA.
 // ---------------------------------------------------------------------------------------------
-void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16) {
+void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16, Index threads = 1) {
   const Index B = state.range(0), C = state.range(1), D = state.range(2), H = state.range(3),
               G = state.range(4), d = D / H;
   auto& f = fixture_slot<moh::MultiHeadAttention<float>>();
-  const std::string key = fixture_key(state, 5, llama) + (bf16 ? "/bf16" : "");
+  const std::string key = fixture_key(state, 5, llama) + (bf16 ? "/bf16" : "");  // any threads
   if (!f || f->key != key) {
     f.reset();  // free the previous benchmark's cache first
     moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, 0, /*bias=*/!llama, /*rope=*/llama);
@@ -151,7 +172,8 @@ void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16) {
                 (bf16 ? " weights=bf16" : "");
     f = std::move(fx);
   }
-  run_decode(state, *f, B, C, D, moh_bench::mha_flops(B, 1, C + 1, D, H, G, d, true), 1.0);
+  run_decode(state, *f, B, C, D, moh_bench::mha_flops(B, 1, C + 1, D, H, G, d, true), 1.0,
+             threads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -260,6 +282,70 @@ void BM_MHA_Decode_HeadDim(benchmark::State& state) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// MoH-LLaMA3's prefill: the LLaMA3-8B layer (RoPE, 8 kv heads, no bias), causal, MoH with the
+// query-norm router at 75 % (shared 8, routed 16 of 24) against the dense layer.
+// ---------------------------------------------------------------------------------------------
+void BM_MHA_Prefill_Llama(benchmark::State& state) {
+  const Index B = state.range(0), T = state.range(1), D = state.range(2), H = state.range(3),
+              G = state.range(4);
+  const moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, 0, /*bias=*/false, /*rope=*/true);
+  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(cfg, 42), B, T, nullptr,
+                          moh_bench::causal_options());
+  moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, G, D / H, true),
+                                static_cast<double>(B * T), 1.0);
+  state.SetLabel("llama3: bias=0 rope=1");
+}
+
+void BM_MoH_Prefill_Llama(benchmark::State& state) {
+  const Index B = state.range(0), T = state.range(1), D = state.range(2), H = state.range(3),
+              G = state.range(4), pct = state.range(6);
+  const HeadSplit split = moh_bench::moh_split(H, pct);
+  const moh::MoHConfig cfg = moh_bench::moh_config(D, H, G, split, moh::MoHRouterKind::QueryNorm,
+                                                   /*bias=*/false, /*rope=*/true);
+  moh_bench::time_forward(state, moh::MoHAttention<float>(cfg, 42), B, T, nullptr,
+                          moh_bench::causal_options());
+  moh_bench::set_layer_counters(
+      state,
+      moh_bench::moh_flops(B, T, T, D, H, G, D / H, true, split, moh::MoHRouterKind::QueryNorm),
+      static_cast<double>(B * T), split.ratio());
+  state.counters["shared_heads"] = static_cast<double>(split.shared);
+  state.counters["routed_k"] = static_cast<double>(split.routed_k);
+  state.SetLabel("llama3: query-norm router bias=0 rope=1");
+}
+
+// ---------------------------------------------------------------------------------------------
+// A vectorised sum over a buffer far beyond the last-level cache: the rate at which one core
+// reads memory, the limit of a decode step that streams its weights and cache once. The buffer
+// is a moh::LargeBuffer, like the layers' weights and caches (huge pages where the system
+// allows); 8 independent accumulators keep enough loads in flight. read_GBps = bytes / time.
+// ---------------------------------------------------------------------------------------------
+void BM_MemRead(benchmark::State& state) {
+  using P = Eigen::internal::packet_traits<float>::type;
+  constexpr Index L = Eigen::internal::packet_traits<float>::size;
+  constexpr Index kAcc = 8;
+  const std::size_t bytes = static_cast<std::size_t>(state.range(0));
+  const Index n = static_cast<Index>(bytes / sizeof(float)) / (kAcc * L) * (kAcc * L);
+  moh::LargeBuffer<float> buffer(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) buffer[static_cast<std::size_t>(i)] = 1.0f;  // fault pages in
+  const float* a = buffer.data();
+  for (auto _ : state) {
+    P acc[kAcc];
+    for (Index j = 0; j < kAcc; ++j) acc[j] = Eigen::internal::pset1<P>(0.0f);
+    for (Index i = 0; i < n; i += kAcc * L)
+      for (Index j = 0; j < kAcc; ++j)
+        acc[j] = Eigen::internal::padd(acc[j], Eigen::internal::ploadu<P>(a + i + j * L));
+    for (Index j = 1; j < kAcc; ++j) acc[0] = Eigen::internal::padd(acc[0], acc[j]);
+    float sum = Eigen::internal::predux(acc[0]);
+    benchmark::DoNotOptimize(sum);
+  }
+  const double read = static_cast<double>(n) * sizeof(float);
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(read));
+  state.counters["read_GBps"] = benchmark::Counter(
+      read * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+}
+
+// ---------------------------------------------------------------------------------------------
 // memcpy of a buffer far beyond the last-level cache: the machine's streaming copy rate.
 // bytes_per_second counts the bytes copied; rw_GBps counts read + write traffic (2x).
 // ---------------------------------------------------------------------------------------------
@@ -287,6 +373,7 @@ const bool registered = [] {
   auto mha = [](benchmark::State& s) { BM_MHA_Decode(s, false, false); };
   auto mha_llama = [](benchmark::State& s) { BM_MHA_Decode(s, true, false); };
   auto mha_llama_bf16 = [](benchmark::State& s) { BM_MHA_Decode(s, true, true); };
+  auto mha_llama_threads = [](benchmark::State& s) { BM_MHA_Decode(s, true, false, s.range(5)); };
   auto moh = [](benchmark::State& s) { BM_MoH_Decode(s, false, false); };
   auto moh_llama = [](benchmark::State& s) { BM_MoH_Decode(s, true, false); };
   auto moh_llama_bf16 = [](benchmark::State& s) { BM_MoH_Decode(s, true, true); };
@@ -294,9 +381,15 @@ const bool registered = [] {
   auto* b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
   for (Index c : kContexts) b->Args({1, c, 1024, 16, 16});
+  b->Args({8, 4096, 1024, 16, 16});
   b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
   b->Args({1, 4096, 4096, 32, 8});
+  // Time is the calling thread's CPU time, as everywhere here; compare threads by wall_us.
+  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama_threads);
+  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "threads"})
+      ->Unit(benchmark::kMicrosecond);
+  b->Args({1, 4096, 4096, 32, 8, 2});
   b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama_bf16);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "bf16"})
       ->Unit(benchmark::kMicrosecond);
@@ -307,6 +400,7 @@ const bool registered = [] {
       ->Unit(benchmark::kMicrosecond);
   for (Index c : kContexts)
     for (Index p : kDecodePct) b->Args({1, c, 1024, 16, 16, p});
+  b->Args({8, 4096, 1024, 16, 16, 50});
   b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh_llama);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct"})
       ->Unit(benchmark::kMicrosecond);
@@ -325,6 +419,19 @@ const bool registered = [] {
       ->Unit(benchmark::kMicrosecond);
   b->Args({1, 4096, 2048, 32, 16, 128});
 
+  b = benchmark::RegisterBenchmark("BM_MHA_Prefill", BM_MHA_Prefill_Llama);
+  b->ArgNames({"batch", "tokens", "d_model", "heads", "kv_heads", "causal"})
+      ->Args({1, 2048, 4096, 32, 8, 1})
+      ->Unit(benchmark::kMillisecond);
+  b = benchmark::RegisterBenchmark("BM_MoH_Prefill", BM_MoH_Prefill_Llama);
+  b->ArgNames({"batch", "tokens", "d_model", "heads", "kv_heads", "causal", "active_pct"})
+      ->Args({1, 2048, 4096, 32, 8, 1, 75})
+      ->Unit(benchmark::kMillisecond);
+
+  benchmark::RegisterBenchmark("BM_MemRead", BM_MemRead)
+      ->ArgNames({"bytes"})
+      ->Arg(Index{256} << 20)
+      ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("BM_MemCopy", BM_MemCopy)
       ->ArgNames({"bytes"})
       ->Arg(Index{256} << 20)

@@ -21,12 +21,6 @@ namespace {
 
 using moh::Index;
 
-moh::ForwardOptions causal_options() {
-  moh::ForwardOptions o;
-  o.causal = moh::Causal::On;
-  return o;
-}
-
 // ---------------------------------------------------------------------------------------------
 // JetMoE against dense MHA with its active query heads.
 // ---------------------------------------------------------------------------------------------
@@ -34,7 +28,7 @@ void BM_JetMoE_Prefill(benchmark::State& state) {
   const Index B = state.range(0), T = state.range(1), D = state.range(2), G = state.range(3),
               E = state.range(4), k = state.range(5), d = state.range(6);
   const moh::MoAAttention<float> layer(moh::MoAConfig::jetmoe(D, G, E, k, d), /*seed=*/42);
-  moh_bench::time_forward(state, layer, B, T, nullptr, causal_options());
+  moh_bench::time_forward(state, layer, B, T, nullptr, moh_bench::causal_options());
   moh_bench::set_layer_counters(state, moh_bench::jetmoe_flops(B, T, T, D, G, E, k, d, true),
                                 static_cast<double>(B * T),
                                 static_cast<double>(k) / static_cast<double>(E));
@@ -47,7 +41,7 @@ void BM_MHA_Prefill_Causal(benchmark::State& state) {
   const moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, d, /*bias=*/false, /*rope=*/true);
   const bool causal = state.range(6) != 0;
   moh_bench::time_forward(state, moh::MultiHeadAttention<float>(cfg, /*seed=*/42), B, T, nullptr,
-                          causal ? causal_options() : moh::ForwardOptions());
+                          causal ? moh_bench::causal_options() : moh::ForwardOptions());
   moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, G, d, causal),
                                 static_cast<double>(B * T), 1.0);
   state.SetLabel("rope=1 bias=0");

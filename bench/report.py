@@ -224,11 +224,20 @@ def decode_section(runs, lines):
     mha = by_family(runs, "BM_MHA_Decode")
     moh = by_family(runs, "BM_MoH_Decode")
     copy = by_family(runs, "BM_MemCopy")
-    if not (mha or moh or copy):
+    reads = by_family(runs, "BM_MemRead")
+    if not (mha or moh or copy or reads):
         return
-    lines.append("## Decode: one causal step at context C (1 thread)")
+    lines.append("## Decode: one causal step at context C (1 thread unless `threads` says otherwise)")
     lines.append("")
     rw = None
+    read = reads[0].c("read_GBps") if reads else None
+    if reads:
+        lines.append(f"read of {reads[0].p('bytes') / 2**20:.0f} MiB (BM_MemRead, a vectorised "
+                     f"sum on one core, huge pages where the system allows): "
+                     f"{fmt(reads[0].ms, 2)} ms, {fmt(read, 2)} GB/s. `% of read` = total GB/s / "
+                     "this rate: how close a step comes to streaming its bytes at the rate one "
+                     "core reads memory.")
+        lines.append("")
     if copy:
         m = copy[0]
         bps = m.c("bytes_per_second")
@@ -249,33 +258,50 @@ def decode_section(runs, lines):
     def key(r):
         return (r.p("batch"), r.p("context"), r.p("d_model"), r.p("heads"), r.p("kv_heads"))
 
-    base = {key(r): r for r in mha}
+    def variant(r):  # rows compare with the MHA row of the same weights and threads
+        return (key(r), r.p("bf16") or 0, r.p("threads") or 1)
+
+    def step_us(r):  # a threads:N row's time is its wall time per step
+        return r.c("wall_us") if (r.p("threads") or 1) > 1 else r.ms * 1e3
+
+    base = {variant(r): r for r in mha}
     keys = list(OrderedDict.fromkeys(key(r) for r in mha + moh))
     keys.sort(key=lambda k: (k[2], k[1]))
     rows = []
     for k in keys:
-        b = base.get(k)
-        members = ([b] if b else []) + sorted((r for r in moh if key(r) == k),
-                                              key=lambda r: r.p("active_pct"))
+        members = sorted((r for r in mha + moh if key(r) == k),
+                         key=lambda r: (r.p("bf16") or 0, r.p("threads") or 1,
+                                        r.family != "BM_MHA_Decode", r.p("active_pct") or 0))
         for r in members:
+            b = base.get(variant(r))
             is_mha = r.family == "BM_MHA_Decode"
             tot = r.c("total_GBps")
             rows.append([
                 f"({', '.join(str(v) for v in k)})",
-                "MHA" if is_mha else "MoH",
+                ("MHA" if is_mha else "MoH") + (" bf16" if r.p("bf16") else "") +
+                (f" {r.p('threads')} threads" if (r.p("threads") or 1) > 1 else ""),
                 "100" if is_mha else str(r.p("active_pct")),
                 "-" if is_mha else f"{fmt(r.c('shared_heads'), 0)}/{fmt(r.c('routed_k'), 0)}",
-                fmt(r.ms * 1e3, 0), fmt(r.ms / b.ms) if b else "n/a",
-                fmt(r.c("kv_heads_read"), 0), fmt(r.c("kv_GBps"), 1), fmt(tot, 1),
+                fmt(step_us(r), 0), fmt(step_us(r) / step_us(b)) if b else "n/a",
+                fmt(r.c("kv_heads_read"), 0), fmt(r.c("step_MB"), 1), fmt(r.c("kv_GBps"), 1),
+                fmt(tot, 1), f"{100 * tot / read:.0f}%" if (tot and read) else "n/a",
                 f"{100 * tot / rw:.0f}%" if (tot and rw) else "n/a",
                 fmt(r.c("GFLOPs"), 1), fmt(r.c("tokens_per_s"), 0), r.label or "",
             ])
+    threaded = [r for r in mha if (r.p("threads") or 1) > 1]
     lines += table(["(B, C, D, H, kv heads)", "layer", "active %", "S/K", "time us (median)",
-                    "vs MHA", "kv heads read", "kv GB/s", "total GB/s", "% of memcpy",
-                    "GFLOP/s", "tokens/s", "settings"], rows,
+                    "vs MHA", "kv heads read", "MB per step", "kv GB/s", "total GB/s",
+                    "% of read", "% of memcpy", "GFLOP/s", "tokens/s", "settings"], rows,
                    ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---:",
-                    "---:", "---:", "---"])
+                    "---:", "---:", "---:", "---:", "---"])
     lines.append("")
+    for r in threaded:
+        one = base.get((key(r), r.p("bf16") or 0, 1))
+        if one:
+            lines.append(f"`{r.run_name}`: wall {fmt(step_us(r), 0)} us per step against "
+                         f"{fmt(one.c('wall_us') or one.ms * 1e3, 0)} us on one thread: "
+                         f"**{fmt((one.c('wall_us') or one.ms * 1e3) / step_us(r))}x** faster.")
+            lines.append("")
 
 
 def threads_section(runs, lines):

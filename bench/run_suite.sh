@@ -93,7 +93,7 @@ else
     '^BM_(Moh)?GEMM/rows:(197/in:768/out:2304|2048/in:1024/out:3072)$'
     '^BM_MHA_Decode/batch:1/context:4096/d_model:1024/heads:16/kv_heads:16$'
     '^BM_MoH_Decode/batch:1/context:4096/d_model:1024/heads:16/kv_heads:16/active_pct:50$'
-    '^BM_MemCopy/'
+    '^BM_Mem(Read|Copy)/'
   )
   filter="$(IFS='|'; echo "${quick[*]}")"
   reps=5
