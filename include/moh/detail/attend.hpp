@@ -36,11 +36,13 @@ struct HeadsView {
 template <class T>
 struct KeyValues {
   HeadsView<T> k, v;
-  Index keys = 0;      // S
+  Index keys = 0;      // S: every sequence's keys, or the most any has (with `lengths`)
   Index kv_heads = 1;  // H_kv
   const bool* padding = nullptr;  // [batch, padding_stride], true = padding
   Index padding_stride = 0;
+  const Index* lengths = nullptr;  // [batch] keys of each sequence (a ragged cache), or null
   const bool* padding_row(Index b) const { return padding ? padding + b * padding_stride : nullptr; }
+  Index keys_of(Index b) const { return lengths ? lengths[b] : keys; }
 };
 
 inline Index blocks_of(Index n, Index block) { return (n + block - 1) / block; }
@@ -56,14 +58,14 @@ std::optional<PackedKeys<T>> maybe_pack(const KeyValues<T>& kv, Index b, Index g
                                         Index rows, T scale, Arena& arena) {
   if (!tiled_head<T>(d) || rows < kPackRows) return std::nullopt;
   return PackedKeys<T>::pack(arena, kv.k.at(b, 0, g), kv.k.row_stride, kv.v.at(b, 0, g),
-                             kv.v.row_stride, kv.keys, d, scale);
+                             kv.v.row_stride, kv.keys_of(b), d, scale);
 }
 
 /// One head's keys and values of sequence b as the kernel takes them.
 template <class T>
 AttentionKeysValues<T> head_keys(const KeyValues<T>& kv, Index b, Index g) {
   return AttentionKeysValues<T>{kv.k.at(b, 0, g), kv.k.row_stride, kv.v.at(b, 0, g),
-                                kv.v.row_stride, kv.keys};
+                                kv.v.row_stride, kv.keys_of(b)};
 }
 
 /// What a call adds to the scores and asks back from them, layer-wide: an additive bias whose row
@@ -99,7 +101,7 @@ void attend_heads(const HeadsView<T>& q, const KeyValues<T>& kv, Index batch, In
     const Index chunk = task % chunks, g = (task / chunks) % kv.kv_heads;
     const Index b = task / (chunks * kv.kv_heads);
     const Index first = chunk * per_task, last = std::min(tokens, first + per_task);
-    const AttentionMasking mask{causal, kv.keys - tokens, kv.padding_row(b)};
+    const AttentionMasking mask{causal, kv.keys_of(b) - tokens, kv.padding_row(b)};
     Arena& arena = exec.thread(thread);
     const Arena::Scope scope(arena);
     const std::optional<PackedKeys<T>> packed =
@@ -342,7 +344,7 @@ void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<
   parallel_for(exec.pool, tasks, [&](std::int64_t task, int thread) {
     const Index first = att_first[task], n = att_count[task];
     const Index b = att_batch[task], g = att_kv[task];
-    const AttentionMasking mask{causal, kv.keys - plan.tokens, kv.padding_row(b)};
+    const AttentionMasking mask{causal, kv.keys_of(b) - plan.tokens, kv.padding_row(b)};
     Arena& arena = exec.thread(thread);
     const Arena::Scope scope(arena);
     const std::optional<PackedKeys<T>> packed = maybe_pack(kv, b, g, d, n, scale, arena);
@@ -381,9 +383,11 @@ void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<
   //    each at E = 32 on 197 tokens), or heads of large output weights (JetMoE's experts): tiles
   //    of output columns, so that each head's weights are read once per call, not once per row
   //    tile, and its rows are multiplied together.
+  // A decode step's few rows always go through P, so that a row's bits do not depend on which
+  // other sequences of the batch use the same head (a batch equals its sequences decoded alone).
   auto add_head = [&](Index h, Index lo, Index hi, Index c0, MatrixMap<T>& p, Arena& arena) {
     const Index n = hi - lo, m = p.cols();
-    if (plan.rows[hi - 1] - plan.rows[lo] == n - 1) {  // consecutive rows: add in place
+    if (n_rows > kFewRows && plan.rows[hi - 1] - plan.rows[lo] == n - 1) {  // add in place
       project_out(h, O.middleRows(lo, n), Y.block(plan.rows[lo], c0, n, m), c0, true, arena);
       return;
     }

@@ -198,28 +198,29 @@ class AttentionLayer {
     const Exec exec = lease.exec();
     const Arena::Scope scope(exec.call());
     const RopeTable<T> rope = rope_table(opts.position_offset, x.dimension(1), exec.call());
-    run(x, cache_view(memory, memory.length()), rope, opts, Kind::Cross, y, routing, exec);
+    run(x, cache_view(memory, 0, exec.call()), rope, opts, Kind::Cross, y, routing, exec);
   }
 
-  /// Incremental self-attention: x [B, T_new, D] are the next tokens after those in `cache`;
-  /// their keys/values are appended and they attend to the whole cache, causally unless
-  /// opts.causal is Off. RoPE positions continue from cache.length(). Padding of the new
-  /// tokens: opts.new_token_padding_mask [B, T_new].
+  /// Incremental self-attention: x [B, T_new, D] are the next tokens of each sequence after
+  /// those in `cache`; their keys/values are appended and they attend to their sequence's whole
+  /// cache, causally unless opts.causal is Off. Each sequence continues from its own length
+  /// (cache.length(b): RoPE positions, causal mask), so a batch of sequences of different lengths
+  /// advances in one call. Padding of the new tokens: opts.new_token_padding_mask [B, T_new].
   void forward_cached(const ConstTensorMap3<T>& x, TensorMap3<T> y, KvCache<T>& cache,
                       const ForwardOptions& opts = {}, Routing* routing = nullptr) const {
     check_call(x, y, opts, Kind::Cached);
     if (cache.is_memory())
       fail(Derived::kName, ": forward_cached: this KvCache holds a memory (make_memory_cache), "
            "which forward_cross reads: expected a cache from make_cache, got a memory cache");
-    const Index B = x.dimension(0), Tq = x.dimension(1), start = cache.length();
+    const Index B = x.dimension(0), Tq = x.dimension(1);
     KvCacheAccess::check(cache, B, shape_.Hkv, shape_.d, Tq, Derived::kName);
     const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
     const Exec exec = lease.exec();
     const Arena::Scope scope(exec.call());
-    const RopeTable<T> rope = rope_table(start, Tq, exec.call());  // new keys and queries alike
+    const RopeTable<T> rope = cache_rope(cache, Tq, exec.call());  // new keys and queries alike
     const MatrixMap<T> KV = projected(x, rope, exec);
     write_slots(KV, B, Tq, opts.new_token_padding_mask, cache);
-    run(x, cache_view(cache, start + Tq), rope, opts, Kind::Cached, y, routing, exec);
+    run(x, cache_view(cache, Tq, exec.call()), rope, opts, Kind::Cached, y, routing, exec);
     KvCacheAccess::commit(cache, Tq);  // only once the call has succeeded
   }
 
@@ -305,13 +306,25 @@ class AttentionLayer {
     for (Index b = 0; b < batch; ++b)
       for (Index t = 0; t < tokens; ++t)
         for (Index h = 0; h < heads; ++h)
-          table.rotate(M.row(b * tokens + t).data() + col + h * shape_.d, t);
+          table.rotate(M.row(b * tokens + t).data() + col + h * shape_.d, b, t);
   }
   /// The cos/sin table of positions [first, first + tokens) in `arena`; empty without RoPE.
   RopeTable<T> rope_table(Index first, Index tokens, Arena& arena) const {
     if (!shape_.rope) return RopeTable<T>();
     return RopeTable<T>(first, tokens, shape_.d, shape_.rope_theta,
                         arena.allocate<T>(RopeTable<T>::storage_size(tokens, shape_.d)));
+  }
+  /// The table of `tokens` new tokens after each sequence's cached ones: positions
+  /// [shortest, longest + tokens), each sequence starting at its own length.
+  RopeTable<T> cache_rope(const KvCache<T>& cache, Index tokens, Arena& arena) const {
+    if (!cache.ragged()) return rope_table(cache.length(), tokens, arena);
+    const Index* lengths = KvCacheAccess::lengths(cache);
+    const Index B = cache.batch(), first = *std::min_element(lengths, lengths + B);
+    RopeTable<T> table = rope_table(first, cache.length() - first + tokens, arena);
+    Index* starts = arena.allocate<Index>(B);
+    for (Index b = 0; b < B; ++b) starts[b] = lengths[b] - first;
+    table.set_sequence_starts(starts);
+    return table;
   }
 
  private:
@@ -467,9 +480,9 @@ class AttentionLayer {
   /// after the cache's length (which the caller advances once the call has succeeded).
   void write_slots(const ConstRowsRef<T>& KV, Index batch, Index tokens,
                    const PaddingMask& padding, KvCache<T>& cache) const {
-    const Index start = cache.length(), d = shape_.d, Hkv = shape_.Hkv;
+    const Index d = shape_.d, Hkv = shape_.Hkv;
     for (Index b = 0; b < batch; ++b)
-      for (Index t = 0; t < tokens; ++t) {
+      for (Index t = 0, start = cache.length(b); t < tokens; ++t) {
         const T* row = KV.row(b * tokens + t).data();
         for (Index g = 0; g < Hkv; ++g) {
           std::copy(row + g * d, row + (g + 1) * d, KvCacheAccess::keys(cache, b, g) + (start + t) * d);
@@ -480,16 +493,22 @@ class AttentionLayer {
       }
   }
 
-  /// The cache's first `length` slots as keys/values to attend to.
-  static KeyValues<T> cache_view(const KvCache<T>& cache, Index length) {
+  /// The cache's tokens and `extra` slots after each sequence's (the new tokens just written)
+  /// as keys/values to attend to; per-sequence counts in `arena` when the cache is ragged.
+  static KeyValues<T> cache_view(const KvCache<T>& cache, Index extra, Arena& arena) {
     KeyValues<T> kv;
     const Index cap = cache.capacity(), d = cache.head_dim();
     kv.k = HeadsView<T>{cache.keys(0, 0), d, cache.kv_heads() * cap * d, cap * d};
     kv.v = HeadsView<T>{cache.values(0, 0), d, cache.kv_heads() * cap * d, cap * d};
-    kv.keys = length;
+    kv.keys = cache.length() + extra;
     kv.kv_heads = cache.kv_heads();
     kv.padding = KvCacheAccess::padding(cache, 0);
     kv.padding_stride = cap;
+    if (cache.ragged()) {
+      Index* counts = arena.allocate<Index>(cache.batch());
+      for (Index b = 0; b < cache.batch(); ++b) counts[b] = cache.length(b) + extra;
+      kv.lengths = counts;
+    }
     return kv;
   }
 

@@ -407,7 +407,8 @@ class MoAAttention : public detail::AttentionLayer<MoAAttention<T>, T, MoARoutin
       project_q(e, Xg, Qe, arena);
       if (rope)
         for (Index i = 0; i < Qe.rows(); ++i)
-          for (Index j = 0; j < Hkv; ++j) rope.rotate(Qe.row(i).data() + j * d, rows[i] % Tq);
+          for (Index j = 0; j < Hkv; ++j)
+            rope.rotate(Qe.row(i).data() + j * d, rows[i] / Tq, rows[i] % Tq);
     };
     auto project_routed_out = [&](Index e, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0,
                                   bool accumulate, detail::Arena& arena) {

@@ -576,7 +576,8 @@ class MoHAttention : public detail::AttentionLayer<MoHAttention<T>, T, MoHRoutin
       if (transformed)
         for (Index i = 0; i < Qh.rows(); ++i) transform_query(Qh.row(i).data(), h);
       if (rope)
-        for (Index i = 0; i < Qh.rows(); ++i) rope.rotate(Qh.row(i).data(), rows[i] % Tq);
+        for (Index i = 0; i < Qh.rows(); ++i)
+          rope.rotate(Qh.row(i).data(), rows[i] / Tq, rows[i] % Tq);
     };
     auto project_out = [&](Index h, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0,
                            bool accumulate, detail::Arena& arena) {

@@ -65,12 +65,18 @@ class RopeTable {
     const T* row = table_ + i * d_;
     rope_rotate(x, d_, row, row + d_ / 2);
   }
+  /// Sequences that start at different positions (a ragged KV cache): sequence b's token t is at
+  /// position first + starts[b] + t. `starts` ([batch], not owned) outlives the table's use.
+  void set_sequence_starts(const Index* starts) { starts_ = starts; }
+  /// Rotates head vector x[0, d) of token t of sequence b.
+  void rotate(T* x, Index b, Index t) const { rotate(x, (starts_ ? starts_[b] : 0) + t); }
   /// False for a default-constructed table (a layer without RoPE).
   explicit operator bool() const { return table_ != nullptr; }
 
  private:
   Index d_ = 0;
   T* table_ = nullptr;  // [count, d]: cos for j < d/2, then sin
+  const Index* starts_ = nullptr;
 };
 
 }  // namespace moh

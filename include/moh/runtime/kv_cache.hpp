@@ -5,7 +5,16 @@
 // keys/values (after RoPE) and attends to everything cached, with bottom-right causal alignment,
 // so a chunk of new tokens sees the cache plus itself. One cache belongs to one layer; the layer
 // makes it (make_cache) and is the only one that writes it.
+//
+// Each sequence has its own length (a server's batch of conversations of different lengths): a
+// forward_cached() call appends its new tokens to every sequence after that sequence's own last
+// token, at that sequence's RoPE positions, and sequence b's queries see its own length(b)
+// tokens. One sequence can be reset or cut back (reset(b), truncate(b, n)) without touching the
+// others.
 #pragma once
+
+#include <algorithm>
+#include <vector>
 
 #include "moh/runtime/large_buffer.hpp"
 #include "moh/tensor.hpp"
@@ -30,23 +39,48 @@ class KvCache {
     keys_ = LargeBuffer<T>(static_cast<std::size_t>(batch * kv_heads * capacity * head_dim));
     values_ = LargeBuffer<T>(keys_.size());
     padding_.setConstant(batch * capacity, false);
+    lengths_.assign(static_cast<std::size_t>(batch), 0);
   }
 
   Index batch() const { return batch_; }
   Index kv_heads() const { return kv_heads_; }
   Index head_dim() const { return head_dim_; }
   Index capacity() const { return capacity_; }
-  /// Number of tokens cached so far (the same for every sequence of the batch).
+  /// Number of tokens cached so far: the longest sequence's (every sequence's unless they were
+  /// reset or cut back one by one).
   Index length() const { return length_; }
+  /// Number of tokens cached for sequence b.
+  Index length(Index b) const {
+    check_sequence(b, "length");
+    return lengths_[static_cast<std::size_t>(b)];
+  }
+  /// Whether the sequences have different lengths.
+  bool ragged() const {
+    return std::any_of(lengths_.begin(), lengths_.end(), [&](Index n) { return n != length_; });
+  }
   /// Forgets every cached token; keeps the allocation.
   void reset() { truncate(0); }
-  /// Forgets the tokens after the first `length` (e.g. rejected speculative tokens): the next
-  /// forward_cached() continues from position `length`. Requires 0 <= length <= length().
+  /// Forgets sequence b's tokens (a finished conversation whose row takes a new one); the other
+  /// sequences keep theirs.
+  void reset(Index b) { truncate(b, 0); }
+  /// Keeps at most the first `length` tokens of every sequence (e.g. rejected speculative
+  /// tokens): the next forward_cached() continues each from there. Requires
+  /// 0 <= length <= length().
   void truncate(Index length) {
     detail::require(length >= 0 && length <= length_, "KvCache::truncate: expected a length in "
                     "[0, ", length_, "] (the tokens cached), got ", length);
-    length_ = length;
-    if (length == 0) any_padding_ = false;
+    for (Index& n : lengths_) n = std::min(n, length);
+    update_length();
+  }
+  /// Keeps the first `length` tokens of sequence b; the others are untouched. Requires
+  /// 0 <= length <= length(b).
+  void truncate(Index b, Index length) {
+    check_sequence(b, "truncate");
+    Index& n = lengths_[static_cast<std::size_t>(b)];
+    detail::require(length >= 0 && length <= n, "KvCache::truncate: sequence ", b, ": expected a ",
+                    "length in [0, ", n, "] (its tokens cached), got ", length);
+    n = length;
+    update_length();
   }
   /// An independent copy (the copy constructor is deleted so a cache is never copied by accident).
   KvCache clone() const { return KvCache(*this, 0); }
@@ -71,14 +105,23 @@ class KvCache {
       : batch_(other.batch_), kv_heads_(other.kv_heads_), head_dim_(other.head_dim_),
         capacity_(other.capacity_), length_(other.length_), any_padding_(other.any_padding_),
         memory_(other.memory_), keys_(other.keys_), values_(other.values_),
-        padding_(other.padding_) {}
+        padding_(other.padding_), lengths_(other.lengths_) {}
   Index offset(Index b, Index g) const { return ((b * kv_heads_) + g) * capacity_ * head_dim_; }
+  void check_sequence(Index b, const char* what) const {
+    detail::require(b >= 0 && b < batch_, "KvCache::", what, ": expected a sequence in [0, ",
+                    batch_, "), got ", b);
+  }
+  void update_length() {
+    length_ = lengths_.empty() ? 0 : *std::max_element(lengths_.begin(), lengths_.end());
+    if (length_ == 0) any_padding_ = false;
+  }
 
   Index batch_ = 0, kv_heads_ = 0, head_dim_ = 0, capacity_ = 0, length_ = 0;
   bool any_padding_ = false;      // a slot was marked padding since the cache was last empty
   bool memory_ = false;           // made by make_memory_cache
   LargeBuffer<T> keys_, values_;  // [batch, kv_heads, capacity, head_dim]
   Eigen::Matrix<bool, Eigen::Dynamic, 1> padding_;  // [batch, capacity], true = padding
+  std::vector<Index> lengths_;    // [batch]: tokens of each sequence; length_ is their maximum
 };
 
 namespace detail {
@@ -114,9 +157,15 @@ struct KvCacheAccess {
   static const bool* padding(const KvCache<T>& c, Index b) {
     return c.any_padding_ ? c.padding_.data() + b * c.capacity_ : nullptr;
   }
-  /// Advances the length after a layer wrote n new slots.
+  /// Advances every sequence's length after a layer wrote n new slots after each.
   template <class T>
-  static void commit(KvCache<T>& c, Index n) { c.length_ += n; }
+  static void commit(KvCache<T>& c, Index n) {
+    for (Index& l : c.lengths_) l += n;
+    c.length_ += n;
+  }
+  /// The sequences' lengths ([batch]).
+  template <class T>
+  static const Index* lengths(const KvCache<T>& c) { return c.lengths_.data(); }
   template <class T>
   static void mark_memory(KvCache<T>& c) { c.memory_ = true; }
 };

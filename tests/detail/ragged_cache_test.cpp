@@ -1,0 +1,152 @@
+// A batch of sequences of different lengths in one KvCache (detail/layer.hpp's forward_cached,
+// runtime/kv_cache.hpp): each step of the batch gives, row for row, the bits of each sequence
+// decoded alone in a cache of its own, on the calling thread and on pools of 1-3 threads, for
+// every layer kind; a sequence reset mid-way restarts at position 0 without touching the others.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "layers/layer_test_support.hpp"
+#include "moh/moh.hpp"
+#include "test_helpers.hpp"
+
+namespace {
+
+using moh::Index;
+using moh_test::BitEqual;
+
+constexpr Index kSequences = 3, kSteps = 4;
+const Index kPrompts[kSequences] = {5, 11, 8};  // tokens of each sequence before the steps
+constexpr Index kLongest = 11;
+constexpr Index kResetSequence = 1, kResetAfter = 2;  // sequence 1 restarts after step 2
+
+/// Row b of token t of a [B, T, D] tensor as a [1, 1, D] tensor.
+moh::Tensor3<float> token(const moh::Tensor3<float>& x, Index b, Index t) {
+  return x.slice(Eigen::array<Index, 3>{b, t, 0}, Eigen::array<Index, 3>{1, 1, x.dimension(2)});
+}
+
+/// The step outputs [kSequences, kSteps, D] of the ragged batch, decoded on `pool`: prompts of
+/// kPrompts[b] tokens (one call over kLongest tokens, then each sequence cut back to its own),
+/// then kSteps single-token steps; sequence kResetSequence is reset after step kResetAfter.
+template <class Layer>
+moh::Tensor3<float> ragged(const Layer& layer, const moh::Tensor3<float>& prompt,
+                           const moh::Tensor3<float>& steps, moh::ThreadPool* pool) {
+  const Index D = layer.embed_dim();
+  moh::KvCache<float> cache = layer.make_cache(kSequences, kLongest + kSteps);
+  moh::ForwardOptions opts;
+  opts.pool = pool;
+  moh::Tensor3<float> y(kSequences, kLongest, D);
+  layer.forward_cached(prompt, y, cache, opts);
+  for (Index b = 0; b < kSequences; ++b) cache.truncate(b, kPrompts[b]);
+  EXPECT_TRUE(cache.ragged());
+  moh::Tensor3<float> out(kSequences, kSteps, D);
+  for (Index s = 0; s < kSteps; ++s) {
+    if (s == kResetAfter) cache.reset(kResetSequence);
+    moh::Tensor3<float> x = steps.slice(Eigen::array<Index, 3>{0, s, 0},
+                                        Eigen::array<Index, 3>{kSequences, 1, D});
+    moh::Tensor3<float> ys(kSequences, 1, D);
+    layer.forward_cached(x, ys, cache, opts);
+    out.slice(Eigen::array<Index, 3>{0, s, 0}, Eigen::array<Index, 3>{kSequences, 1, D}) = ys;
+  }
+  EXPECT_EQ(cache.length(kResetSequence), kSteps - kResetAfter);
+  return out;
+}
+
+/// The same steps, each sequence alone in a cache of its own (the reset sequence's later steps
+/// in a fresh cache).
+template <class Layer>
+moh::Tensor3<float> alone(const Layer& layer, const moh::Tensor3<float>& prompt,
+                          const moh::Tensor3<float>& steps) {
+  const Index D = layer.embed_dim();
+  moh::Tensor3<float> out(kSequences, kSteps, D);
+  for (Index b = 0; b < kSequences; ++b) {
+    moh::KvCache<float> cache = layer.make_cache(1, kLongest + kSteps);
+    moh::Tensor3<float> p = prompt.slice(Eigen::array<Index, 3>{b, 0, 0},
+                                         Eigen::array<Index, 3>{1, kPrompts[b], D});
+    moh::Tensor3<float> yp(1, kPrompts[b], D);
+    layer.forward_cached(p, yp, cache);
+    for (Index s = 0; s < kSteps; ++s) {
+      if (b == kResetSequence && s == kResetAfter) cache.reset();
+      moh::Tensor3<float> ys(1, 1, D);
+      layer.forward_cached(token(steps, b, s), ys, cache);
+      out.slice(Eigen::array<Index, 3>{b, s, 0}, Eigen::array<Index, 3>{1, 1, D}) = ys;
+    }
+  }
+  return out;
+}
+
+template <class Layer>
+void expect_ragged_equals_alone(const typename Layer::Config& config, const std::string& what) {
+  const Layer layer(config, 23);
+  const Index D = layer.embed_dim();
+  const moh::Tensor3<float> prompt = moh_test::random_tensor<float>(kSequences, kLongest, D, 3);
+  const moh::Tensor3<float> steps = moh_test::random_tensor<float>(kSequences, kSteps, D, 4);
+  const moh::Tensor3<float> expected = alone(layer, prompt, steps);
+  const moh::Tensor3<float> got = moh_test::expect_same_bits_for_any_thread_count(
+      [&](moh::ThreadPool* pool) { return ragged(layer, prompt, steps, pool); }, what);
+  EXPECT_TRUE(BitEqual(got, expected)) << what << ": the ragged batch against each sequence alone";
+}
+
+TEST(RaggedCache, MhaGroupedQueryWithRope) {
+  expect_ragged_equals_alone<moh::MultiHeadAttention<float>>(
+      moh_test::mha_config(128, 8, 2, 32, /*bias=*/false, /*rope=*/true), "mha");
+}
+
+TEST(RaggedCache, MhaOddHeadSizeWithBias) {
+  expect_ragged_equals_alone<moh::MultiHeadAttention<float>>(
+      moh_test::mha_config(56, 4, 0, 14, /*bias=*/true, /*rope=*/true), "mha head_dim 14");
+}
+
+TEST(RaggedCache, MoHQueryNormRouter) {
+  expect_ragged_equals_alone<moh::MoHAttention<float>>(
+      moh_test::moh_config(128, 8, 2, 4, moh::MoHRouterKind::QueryNorm, 2, 32, false, true),
+      "moh query-norm");
+}
+
+TEST(RaggedCache, MoHLearnedRouter) {
+  expect_ragged_equals_alone<moh::MoHAttention<float>>(
+      moh_test::moh_config(96, 6, 2, 2, moh::MoHRouterKind::Learned, 0, 16, true, true),
+      "moh learned");
+}
+
+TEST(RaggedCache, JetMoE) {
+  expect_ragged_equals_alone<moh::MoAAttention<float>>(moh::MoAConfig::jetmoe(128, 2, 6, 2, 32),
+                                                       "jetmoe");
+}
+
+// The cache's own bookkeeping: lengths per sequence, the longest as length(), and errors that
+// name the sequence.
+TEST(RaggedCache, LengthsPerSequence) {
+  moh::KvCache<float> cache(3, 2, 16, 10);
+  EXPECT_FALSE(cache.ragged());
+  EXPECT_THROW(cache.truncate(0, 1), moh::Error);  // nothing cached yet
+  const moh::MultiHeadAttention<float> layer(moh_test::mha_config(32, 2, 2, 16), 1);
+  moh::KvCache<float> c = layer.make_cache(3, 10);
+  const moh::Tensor3<float> x = moh_test::random_tensor<float>(3, 6, 32, 9);
+  moh::Tensor3<float> y(3, 6, 32);
+  layer.forward_cached(x, y, c);
+  c.truncate(0, 2);
+  c.reset(2);
+  EXPECT_TRUE(c.ragged());
+  EXPECT_EQ(c.length(), 6);
+  EXPECT_EQ(c.length(0), 2);
+  EXPECT_EQ(c.length(1), 6);
+  EXPECT_EQ(c.length(2), 0);
+  EXPECT_TRUE(moh_test::Mentions(moh_test::error_of([&] { c.truncate(0, 3); }), {"sequence 0",
+                                                                                  "[0, 2]", "3"}));
+  EXPECT_TRUE(moh_test::Mentions(moh_test::error_of([&] { c.length(3); }), {"[0, 3)", "3"}));
+  c.truncate(4);  // every sequence at most 4
+  EXPECT_EQ(c.length(0), 2);
+  EXPECT_EQ(c.length(1), 4);
+  EXPECT_EQ(c.length(), 4);
+  // Room is checked against the longest sequence: 4 + 7 > 10.
+  moh::Tensor3<float> big = moh_test::random_tensor<float>(3, 7, 32, 10), yb(3, 7, 32);
+  EXPECT_TRUE(moh_test::Mentions(moh_test::error_of([&] { layer.forward_cached(big, yb, c); }),
+                                 {"full", "6"}));
+  c.reset();
+  EXPECT_FALSE(c.ragged());
+  EXPECT_EQ(c.length(1), 0);
+}
+
+}  // namespace
