@@ -19,16 +19,20 @@
 namespace moh {
 namespace detail {
 
-/// Where head h of token s of sequence b lives: data + b*batch_stride + s*row_stride + h*head_stride.
+/// Where head h of token s of sequence b lives: data + b*batch_stride + s*row_stride + h*head_stride,
+/// or the same offset of `bf16` when the heads are stored as bfloat16 (a bfloat16 KV cache).
 template <class T>
 struct HeadsView {
   const T* data = nullptr;
   Index row_stride = 0;
   Index batch_stride = 0;
   Index head_stride = 0;
-  const T* at(Index b, Index s, Index h) const {
-    return data + b * batch_stride + s * row_stride + h * head_stride;
+  const std::uint16_t* bf16 = nullptr;
+  Index offset(Index b, Index s, Index h) const {
+    return b * batch_stride + s * row_stride + h * head_stride;
   }
+  const T* at(Index b, Index s, Index h) const { return data + offset(b, s, h); }
+  const std::uint16_t* at16(Index b, Index s, Index h) const { return bf16 + offset(b, s, h); }
 };
 
 /// Key/value source of an attention call: K and V views with S keys per sequence and a
@@ -57,6 +61,9 @@ template <class T>
 std::optional<PackedKeys<T>> maybe_pack(const KeyValues<T>& kv, Index b, Index g, Index d,
                                         Index rows, T scale, Arena& arena) {
   if (!tiled_head<T>(d) || rows < kPackRows) return std::nullopt;
+  if (kv.k.bf16)
+    return PackedKeys<T>::pack(arena, kv.k.at16(b, 0, g), kv.k.row_stride, kv.v.at16(b, 0, g),
+                               kv.v.row_stride, kv.keys_of(b), d, scale);
   return PackedKeys<T>::pack(arena, kv.k.at(b, 0, g), kv.k.row_stride, kv.v.at(b, 0, g),
                              kv.v.row_stride, kv.keys_of(b), d, scale);
 }
@@ -64,6 +71,9 @@ std::optional<PackedKeys<T>> maybe_pack(const KeyValues<T>& kv, Index b, Index g
 /// One head's keys and values of sequence b as the kernel takes them.
 template <class T>
 AttentionKeysValues<T> head_keys(const KeyValues<T>& kv, Index b, Index g) {
+  if (kv.k.bf16)
+    return AttentionKeysValues<T>{nullptr, kv.k.row_stride, nullptr, kv.v.row_stride,
+                                  kv.keys_of(b), kv.k.at16(b, 0, g), kv.v.at16(b, 0, g)};
   return AttentionKeysValues<T>{kv.k.at(b, 0, g), kv.k.row_stride, kv.v.at(b, 0, g),
                                 kv.v.row_stride, kv.keys_of(b)};
 }

@@ -232,9 +232,11 @@ class AttentionLayer {
     return y;
   }
 
-  /// A cache for `batch` sequences of up to `capacity` tokens, sized for this layer.
-  KvCache<T> make_cache(Index batch, Index capacity) const {
-    return KvCache<T>(batch, shape_.Hkv, shape_.d, capacity);
+  /// A cache for `batch` sequences of up to `capacity` tokens, sized for this layer; keys and
+  /// values stored in T or in bfloat16 (`storage`).
+  KvCache<T> make_cache(Index batch, Index capacity,
+                        CacheStorage storage = CacheStorage::Native) const {
+    return KvCache<T>(batch, shape_.Hkv, shape_.d, capacity, storage);
   }
 
   // ---- weights by name ---------------------------------------------------------------------
@@ -484,11 +486,8 @@ class AttentionLayer {
     for (Index b = 0; b < batch; ++b)
       for (Index t = 0, start = cache.length(b); t < tokens; ++t) {
         const T* row = KV.row(b * tokens + t).data();
-        for (Index g = 0; g < Hkv; ++g) {
-          std::copy(row + g * d, row + (g + 1) * d, KvCacheAccess::keys(cache, b, g) + (start + t) * d);
-          std::copy(row + (Hkv + g) * d, row + (Hkv + g + 1) * d,
-                    KvCacheAccess::values(cache, b, g) + (start + t) * d);
-        }
+        for (Index g = 0; g < Hkv; ++g)
+          KvCacheAccess::store(cache, b, g, start + t, row + g * d, row + (Hkv + g) * d);
         KvCacheAccess::set_padding(cache, b, start + t, padding ? (*padding)(b, t) : false);
       }
   }
@@ -498,8 +497,12 @@ class AttentionLayer {
   static KeyValues<T> cache_view(const KvCache<T>& cache, Index extra, Arena& arena) {
     KeyValues<T> kv;
     const Index cap = cache.capacity(), d = cache.head_dim();
-    kv.k = HeadsView<T>{cache.keys(0, 0), d, cache.kv_heads() * cap * d, cap * d};
-    kv.v = HeadsView<T>{cache.values(0, 0), d, cache.kv_heads() * cap * d, cap * d};
+    kv.k = HeadsView<T>{KvCacheAccess::keys(cache), d, cache.kv_heads() * cap * d, cap * d};
+    kv.v = HeadsView<T>{KvCacheAccess::values(cache), d, cache.kv_heads() * cap * d, cap * d};
+    if (cache.storage() == CacheStorage::BFloat16) {
+      kv.k.bf16 = KvCacheAccess::keys16(cache);
+      kv.v.bf16 = KvCacheAccess::values16(cache);
+    }
     kv.keys = cache.length() + extra;
     kv.kv_heads = cache.kv_heads();
     kv.padding = KvCacheAccess::padding(cache, 0);

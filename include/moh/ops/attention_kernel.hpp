@@ -49,7 +49,9 @@ struct AttentionQueries {
   QueryPositions positions;  // for the causal mask
 };
 
-/// The keys and values of one head: [count, head_dim] each, at their row strides. Not owned.
+/// The keys and values of one head: [count, head_dim] each, at their row strides, in T or (when
+/// keys_bf16 and values_bf16 are given instead) as bfloat16 bits, widened as they are read. Not
+/// owned.
 template <class T>
 struct AttentionKeysValues {
   const T* keys = nullptr;
@@ -57,6 +59,8 @@ struct AttentionKeysValues {
   const T* values = nullptr;
   Index value_stride = 0;
   Index count = 0;  // S
+  const std::uint16_t* keys_bf16 = nullptr;
+  const std::uint16_t* values_bf16 = nullptr;
 };
 
 /// An additive bias on the scores (SEMANTICS 6): query i and key j get row(i)[j] added after the
@@ -171,8 +175,8 @@ constexpr Index kPackedQueries = 8;
 /// S[r, c] = scale * q_r . k_c for NQ queries (rows at q_stride) and nk keys (rows at
 /// k_stride) of d = whole packets; S rows at ld. Four keys at a time, so that 4 NQ independent
 /// sums are in flight; each score is a packet-wise sum over d, then reduced.
-template <class T, int NQ>
-void few_query_scores(const T* q, Index q_stride, const T* k, Index k_stride, Index nk, Index d,
+template <class T, int NQ, class Src>
+void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, Index nk, Index d,
                       T scale, T* S, Index ld) {
   using P = GemmPacket<T>;
   constexpr Index L = packet_size<T>();
@@ -183,9 +187,9 @@ void few_query_scores(const T* q, Index q_stride, const T* k, Index k_stride, In
     for (int r = 0; r < NQ; ++r)
       for (int j = 0; j < KB; ++j) acc[r][j] = Eigen::internal::pset1<P>(T(0));
     for (int j = 0; j < KB; ++j) {
-      const T* kr = k + (c + j) * k_stride;
+      const Src* kr = k + (c + j) * k_stride;
       for (Index x = 0; x < d; x += L) {
-        const P kv = Eigen::internal::ploadu<P>(kr + x);
+        const P kv = load_packet<T>(kr + x);
         for (int r = 0; r < NQ; ++r)
           acc[r][j] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q + r * q_stride + x), kv,
                                              acc[r][j]);
@@ -199,15 +203,15 @@ void few_query_scores(const T* q, Index q_stride, const T* k, Index k_stride, In
       P acc = Eigen::internal::pset1<P>(T(0));
       for (Index x = 0; x < d; x += L)
         acc = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q + r * q_stride + x),
-                                     Eigen::internal::ploadu<P>(k + c * k_stride + x), acc);
+                                     load_packet<T>(k + c * k_stride + x), acc);
       S[r * ld + c] = scale * Eigen::internal::predux(acc);
     }
 }
 
 /// A[r, x0 : x0 + NP L] += sum_c W[r, c] v_c[x0 : ...] for NQ rows: the accumulators stay in
 /// registers over all nk keys (each element one chain over c in order).
-template <class T, int NQ, int NP>
-void few_query_values_panel(const T* W, Index ldw, const T* v, Index v_stride, Index nk,
+template <class T, int NQ, int NP, class Src>
+void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride, Index nk,
                             Index x0, T* A, Index lda) {
   using P = GemmPacket<T>;
   constexpr Index L = packet_size<T>();
@@ -216,7 +220,7 @@ void few_query_values_panel(const T* W, Index ldw, const T* v, Index v_stride, I
     for (int j = 0; j < NP; ++j) acc[r][j] = Eigen::internal::ploadu<P>(A + r * lda + x0 + j * L);
   for (Index c = 0; c < nk; ++c) {
     P vv[NP];
-    for (int j = 0; j < NP; ++j) vv[j] = Eigen::internal::ploadu<P>(v + c * v_stride + x0 + j * L);
+    for (int j = 0; j < NP; ++j) vv[j] = load_packet<T>(v + c * v_stride + x0 + j * L);
     for (int r = 0; r < NQ; ++r) {
       const P w = Eigen::internal::pset1<P>(W[r * ldw + c]);
       for (int j = 0; j < NP; ++j) acc[r][j] = Eigen::internal::pmadd(w, vv[j], acc[r][j]);
@@ -226,18 +230,35 @@ void few_query_values_panel(const T* W, Index ldw, const T* v, Index v_stride, I
     for (int j = 0; j < NP; ++j) Eigen::internal::pstoreu(A + r * lda + x0 + j * L, acc[r][j]);
 }
 
+/// few_query_values_panel over the last `packets` (<= NP) packets of columns from x0.
+template <class T, int NQ, int NP, class Src>
+void few_query_values_rest(Index packets, const T* W, Index ldw, const Src* v, Index v_stride,
+                           Index nk, Index x0, T* A, Index lda) {
+  if constexpr (NP > 1) {
+    if (packets < NP) {
+      few_query_values_rest<T, NQ, NP - 1, Src>(packets, W, ldw, v, v_stride, nk, x0, A, lda);
+      return;
+    }
+  }
+  few_query_values_panel<T, NQ, NP, Src>(W, ldw, v, v_stride, nk, x0, A, lda);
+}
+
 /// A[NQ, d] += W[NQ, nk] V[nk, d] (V rows at v_stride, d whole packets), in column panels that
 /// keep NQ x panel accumulators in registers.
-template <class T, int NQ>
-void few_query_values(const T* W, Index ldw, const T* v, Index v_stride, Index nk, Index d, T* A,
+template <class T, int NQ, class Src>
+void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index nk, Index d, T* A,
                       Index lda) {
   constexpr Index L = packet_size<T>();
   constexpr int kRegisters = 24;  // accumulators (AVX-512 has 32 vector registers)
   constexpr int NP = std::min(8, std::max(1, kRegisters / NQ));
   Index x0 = 0;
   for (; x0 + NP * L <= d; x0 += NP * L)
-    few_query_values_panel<T, NQ, NP>(W, ldw, v, v_stride, nk, x0, A, lda);
-  for (; x0 < d; x0 += L) few_query_values_panel<T, NQ, 1>(W, ldw, v, v_stride, nk, x0, A, lda);
+    few_query_values_panel<T, NQ, NP, Src>(W, ldw, v, v_stride, nk, x0, A, lda);
+  // The packets left (fewer than NP) in one more panel: a head of 4 packets with one query is
+  // one panel of 4 chains, not 4 passes over the values with one chain each.
+  constexpr int kRest = NP > 1 ? NP - 1 : 1;
+  if (x0 < d)
+    few_query_values_rest<T, NQ, kRest, Src>((d - x0) / L, W, ldw, v, v_stride, nk, x0, A, lda);
 }
 
 /// Calls fn(std::integral_constant<int, n>{}, r0) for chunks of at most 4 of `rows` rows.
@@ -261,6 +282,12 @@ void for_query_chunks(Index rows, Fn&& fn) {
 
 namespace detail {
 
+/// dst[n, d] (contiguous) = the n rows at `stride` of src (T, or bfloat16 widened).
+template <class T, class Src>
+void copy_rows(const Src* src, Index stride, Index n, Index d, T* dst) {
+  pack_rows<T>(src, stride, n, d, dst, d);
+}
+
 /// One head's keys and values laid out for the register-tiled path, prepared once and shared by
 /// every query block that attends to them: scale * K^T [d, S rounded up to whole packets, zero
 /// padded] and V [S, d], both contiguous, in arena memory.
@@ -271,17 +298,19 @@ struct PackedKeys {
   const T* values = nullptr;  // [S, d]
   Index keys = 0;
 
-  /// Lays out S keys and values (rows at their strides) of size d, scaled by `scale`.
-  static PackedKeys pack(Arena& arena, const T* k, Index k_stride, const T* v, Index v_stride,
-                         Index S, Index d, T scale) {
+  /// Lays out S keys and values (rows at their strides, T or bfloat16) of size d, scaled by
+  /// `scale`.
+  template <class Src>
+  static PackedKeys pack(Arena& arena, const Src* k, Index k_stride, const Src* v,
+                         Index v_stride, Index S, Index d, T scale) {
     const Index L = packet_size<T>();
     const Index padded = (S + L - 1) / L * L;
     MatrixMap<T> kt = arena.matrix<T>(d, padded + 16);
     MatrixMap<T> vc = arena.matrix<T>(S, d);
-    vc = ConstStridedMap<T>(k, S, d, Eigen::OuterStride<>(k_stride));  // contiguous, then transposed
+    copy_rows(k, k_stride, S, d, vc.data());  // contiguous, then transposed
     kt.leftCols(S) = vc.transpose() * scale;
     kt.middleCols(S, padded - S).setZero();
-    vc = ConstStridedMap<T>(v, S, d, Eigen::OuterStride<>(v_stride));
+    copy_rows(v, v_stride, S, d, vc.data());
     return PackedKeys{kt.data(), kt.outerStride(), vc.data(), S};
   }
 };
@@ -310,8 +339,33 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
   const bool fast = tiled_head<T>(d) && (packed != nullptr || n_q >= kPackedQueries);
   const bool few = !fast && tiled_head<T>(d);  // few_query_scores / few_query_values
   eigen_assert(packed == nullptr || packed->keys == S);
+  const std::uint16_t* k16 = kv.keys_bf16;
+  const std::uint16_t* v16 = kv.values_bf16;
+  const bool narrow = k16 != nullptr;  // bfloat16 keys and values
   Arena::Scope scope(arena);
   AttentionTiles<T> scratch(arena, d);
+  // bfloat16 blocks widened for the paths that read T (the few-query kernels widen in registers).
+  const bool widen = narrow && !few && packed == nullptr;
+  MatrixMap<T> wide_k = arena.matrix<T>(widen ? kKeyBlock : 0, d);
+  MatrixMap<T> wide_v = arena.matrix<T>(widen ? kKeyBlock : 0, d);
+  // Keys and values of block [j0, j0 + nk): in T at k, v (rows at ks, vs), or bfloat16 at k16,
+  // v16 for the few-query kernels.
+  struct Block {
+    const T* k;
+    Index ks;
+    const T* v;
+    Index vs;
+    const std::uint16_t* k16;
+    const std::uint16_t* v16;
+  };
+  auto block_of = [&](Index j0, Index nk) {
+    if (!narrow) return Block{k + j0 * k_stride, k_stride, v + j0 * v_stride, v_stride, nullptr,
+                              nullptr};
+    if (!widen) return Block{nullptr, 0, nullptr, 0, k16 + j0 * k_stride, v16 + j0 * v_stride};
+    copy_rows(k16 + j0 * k_stride, k_stride, nk, d, wide_k.data());
+    copy_rows(v16 + j0 * v_stride, v_stride, nk, d, wide_v.data());
+    return Block{wide_k.data(), d, wide_v.data(), d, nullptr, nullptr};
+  };
   for (Index i0 = 0; i0 < n_q; i0 += kQueryBlock) {
     const Index nq = std::min(kQueryBlock, n_q - i0);
     ConstStridedMap<T> Q(q + i0 * q_stride, nq, d, Eigen::OuterStride<>(q_stride));
@@ -345,8 +399,8 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
     // The block's scores into scratch.scores: scale q k^T + bias, -inf where a mask hides a key.
     // Returns whether any entry may be -inf. Leaves the block's contiguous values for the fast
     // path's product in *v_block.
-    auto scores_of = [&](Index j0, Index nk, const T** v_block) {
-      ConstStridedMap<T> K(k + j0 * k_stride, nk, d, Eigen::OuterStride<>(k_stride));
+    auto scores_of = [&](Index j0, Index nk, const Block& blk, const T** v_block) {
+      ConstStridedMap<T> K(blk.k, blk.k ? nk : 0, d, Eigen::OuterStride<>(std::max<Index>(1, blk.ks)));
       auto s = scratch.scores.topLeftCorner(nq, nk);
       *v_block = scratch.values.data();
       if (fast) {
@@ -364,7 +418,7 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
           block.leftCols(nk) = scratch.values.topRows(nk).transpose() * scale;
           block.rightCols(padded - nk).setZero();
           scratch.values.topRows(nk) =
-              ConstStridedMap<T>(v + j0 * v_stride, nk, d, Eigen::OuterStride<>(v_stride));
+              ConstStridedMap<T>(blk.v, nk, d, Eigen::OuterStride<>(blk.vs));
           kt = block.data();
           kt_stride = block.outerStride();
         }
@@ -375,8 +429,13 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
         T* sb = scratch.scores.data();
         const Index ld = scratch.scores.outerStride();
         for_query_chunks(nq, [&](auto n, Index r0) {
-          few_query_scores<T, decltype(n)::value>(qb + r0 * q_stride, q_stride, k + j0 * k_stride,
-                                                  k_stride, nk, d, scale, sb + r0 * ld, ld);
+          constexpr int kN = decltype(n)::value;
+          if (blk.k16)
+            few_query_scores<T, kN>(qb + r0 * q_stride, q_stride, blk.k16, k_stride, nk, d, scale,
+                                    sb + r0 * ld, ld);
+          else
+            few_query_scores<T, kN>(qb + r0 * q_stride, q_stride, blk.k, blk.ks, nk, d, scale,
+                                    sb + r0 * ld, ld);
         });
       } else {
         s.noalias() = (Q * K.transpose()) * scale;
@@ -415,7 +474,8 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
       const Index nk = std::min(kKeyBlock, key_end - j0);
       if (hidden_by_bias(j0, nk)) continue;  // contributes nothing to any query of the block
       const T* v_block = nullptr;
-      const bool masked = scores_of(j0, nk, &v_block);
+      const Block blk = packed ? Block{} : block_of(j0, nk);
+      const bool masked = scores_of(j0, nk, blk, &v_block);
       auto s = scratch.scores.topLeftCorner(nq, nk);
 
       // Online softmax, one contiguous row at a time: rescale what was accumulated to the new
@@ -449,14 +509,18 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
                              acc.outerStride(), true);
       } else if (few) {
         for_query_chunks(nq, [&](auto n, Index r0) {
-          few_query_values<T, decltype(n)::value>(s.data() + r0 * s.outerStride(), s.outerStride(),
-                                                  v + j0 * v_stride, v_stride, nk, d,
-                                                  acc.data() + r0 * acc.outerStride(),
-                                                  acc.outerStride());
+          constexpr int kN = decltype(n)::value;
+          const T* w = s.data() + r0 * s.outerStride();
+          T* a = acc.data() + r0 * acc.outerStride();
+          if (blk.v16)
+            few_query_values<T, kN>(w, s.outerStride(), blk.v16, v_stride, nk, d, a,
+                                    acc.outerStride());
+          else
+            few_query_values<T, kN>(w, s.outerStride(), blk.v, blk.vs, nk, d, a,
+                                    acc.outerStride());
         });
       } else {
-        acc.noalias() +=
-            s * ConstStridedMap<T>(v + j0 * v_stride, nk, d, Eigen::OuterStride<>(v_stride));
+        acc.noalias() += s * ConstStridedMap<T>(blk.v, nk, d, Eigen::OuterStride<>(blk.vs));
       }
     }
 
@@ -475,7 +539,7 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
       const Index nk = std::min(kKeyBlock, key_end - j0);
       if (hidden_by_bias(j0, nk)) continue;
       const T* v_block = nullptr;
-      scores_of(j0, nk, &v_block);
+      scores_of(j0, nk, packed ? Block{} : block_of(j0, nk), &v_block);
       for (Index r = 0; r < nq; ++r) {
         if (!(l[r] > T(0))) continue;  // a row that sees nothing stays zero
         T* p = weights.row(i0 + r) + j0;
@@ -501,8 +565,9 @@ void attention(const AttentionQueries<T>& queries, const AttentionKeysValues<T>&
                   queries.count, ", ", queries.head_dim, ", ", kv.count);
   detail::require(queries.count == 0 || (queries.data && output.data), "attention: expected ",
                   "query and output data for ", queries.count, " queries, got a null pointer");
-  detail::require(kv.count == 0 || (kv.keys && kv.values), "attention: expected key and value ",
-                  "data for ", kv.count, " keys, got a null pointer");
+  detail::require(kv.count == 0 || (kv.keys && kv.values) || (kv.keys_bf16 && kv.values_bf16),
+                  "attention: expected key and value data for ", kv.count, " keys (in T or both ",
+                  "in bfloat16), got a null pointer");
   detail::require(queries.stride >= queries.head_dim && output.stride >= queries.head_dim &&
                       (kv.count == 0 || (kv.key_stride >= queries.head_dim &&
                                          kv.value_stride >= queries.head_dim)),

@@ -11,10 +11,16 @@
 // token, at that sequence's RoPE positions, and sequence b's queries see its own length(b)
 // tokens. One sequence can be reset or cut back (reset(b), truncate(b, n)) without touching the
 // others.
+//
+// CacheStorage::BFloat16 stores keys and values rounded to bfloat16 (half the bytes a decode step
+// streams); attention widens them to T as it reads them and computes in T.
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
+
+#include "moh/float16.hpp"
 
 #include "moh/runtime/large_buffer.hpp"
 #include "moh/tensor.hpp"
@@ -24,20 +30,34 @@ namespace detail {
 struct KvCacheAccess;
 }
 
+/// How a KvCache stores keys and values. Attention always computes in the layer's type.
+enum class CacheStorage {
+  Native,    // in T
+  BFloat16,  // rounded to bfloat16 (to nearest, ties to even): half the bytes of float
+};
+
 template <class T>
 class KvCache {
  public:
   KvCache() = default;
-  /// Allocates room for `capacity` tokens of `batch` sequences.
-  KvCache(Index batch, Index kv_heads, Index head_dim, Index capacity)
-      : batch_(batch), kv_heads_(kv_heads), head_dim_(head_dim), capacity_(capacity) {
+  /// Allocates room for `capacity` tokens of `batch` sequences, stored as `storage` says.
+  KvCache(Index batch, Index kv_heads, Index head_dim, Index capacity,
+          CacheStorage storage = CacheStorage::Native)
+      : batch_(batch), kv_heads_(kv_heads), head_dim_(head_dim), capacity_(capacity),
+        storage_(storage) {
     detail::require(batch > 0 && kv_heads > 0 && head_dim > 0 && capacity > 0,
                     "KvCache: sizes must be positive: expected batch, kv_heads, head_dim, "
                     "capacity > 0, got ",
                     batch, ", ", kv_heads, ", ", head_dim, ", ", capacity);
     // Zeroed, in huge pages where the system allows (a decode step streams all of it).
-    keys_ = LargeBuffer<T>(static_cast<std::size_t>(batch * kv_heads * capacity * head_dim));
-    values_ = LargeBuffer<T>(keys_.size());
+    const auto n = static_cast<std::size_t>(batch * kv_heads * capacity * head_dim);
+    if (storage == CacheStorage::Native) {
+      keys_ = LargeBuffer<T>(n);
+      values_ = LargeBuffer<T>(n);
+    } else {
+      keys16_ = LargeBuffer<std::uint16_t>(n);
+      values16_ = LargeBuffer<std::uint16_t>(n);
+    }
     padding_.setConstant(batch * capacity, false);
     lengths_.assign(static_cast<std::size_t>(batch), 0);
   }
@@ -46,6 +66,11 @@ class KvCache {
   Index kv_heads() const { return kv_heads_; }
   Index head_dim() const { return head_dim_; }
   Index capacity() const { return capacity_; }
+  CacheStorage storage() const { return storage_; }
+  /// Bytes the keys and values occupy.
+  std::size_t bytes() const {
+    return (keys_.size() + values_.size()) * sizeof(T) + (keys16_.size() + values16_.size()) * 2;
+  }
   /// Number of tokens cached so far: the longest sequence's (every sequence's unless they were
   /// reset or cut back one by one).
   Index length() const { return length_; }
@@ -90,9 +115,15 @@ class KvCache {
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
 
-  /// Keys of sequence b, kv head g: [capacity, head_dim], rows [0, length()) valid.
-  const T* keys(Index b, Index g) const { return keys_.data() + offset(b, g); }
-  const T* values(Index b, Index g) const { return values_.data() + offset(b, g); }
+  /// Keys of sequence b, kv head g: [capacity, head_dim], rows [0, length(b)) valid (a cache
+  /// stored in T; a bfloat16 cache has keys_bf16()).
+  const T* keys(Index b, Index g) const { return native(keys_, b, g, "keys"); }
+  const T* values(Index b, Index g) const { return native(values_, b, g, "values"); }
+  /// The same for a bfloat16 cache: bfloat16 bits (moh::bfloat16_to_float widens one).
+  const std::uint16_t* keys_bf16(Index b, Index g) const { return bf16(keys16_, b, g, "keys"); }
+  const std::uint16_t* values_bf16(Index b, Index g) const {
+    return bf16(values16_, b, g, "values");
+  }
   /// Whether slot `slot` (< length()) of sequence b holds a padding token.
   bool is_padding(Index b, Index slot) const { return padding_[b * capacity_ + slot]; }
   /// Whether the cache holds a memory's keys and values (make_memory_cache): read by
@@ -104,9 +135,22 @@ class KvCache {
   KvCache(const KvCache& other, int)
       : batch_(other.batch_), kv_heads_(other.kv_heads_), head_dim_(other.head_dim_),
         capacity_(other.capacity_), length_(other.length_), any_padding_(other.any_padding_),
-        memory_(other.memory_), keys_(other.keys_), values_(other.values_),
+        memory_(other.memory_), storage_(other.storage_), keys_(other.keys_),
+        values_(other.values_), keys16_(other.keys16_), values16_(other.values16_),
         padding_(other.padding_), lengths_(other.lengths_) {}
   Index offset(Index b, Index g) const { return ((b * kv_heads_) + g) * capacity_ * head_dim_; }
+  const T* native(const LargeBuffer<T>& v, Index b, Index g, const char* what) const {
+    detail::require(storage_ == CacheStorage::Native, "KvCache::", what, ": this cache stores ",
+                    "bfloat16: expected ", what, "_bf16(b, g), got ", what, "(b, g)");
+    return v.data() + offset(b, g);
+  }
+  const std::uint16_t* bf16(const LargeBuffer<std::uint16_t>& v, Index b, Index g,
+                            const char* what) const {
+    detail::require(storage_ == CacheStorage::BFloat16, "KvCache::", what, "_bf16: this cache ",
+                    "stores keys and values in T: expected ", what, "(b, g), got ", what,
+                    "_bf16(b, g)");
+    return v.data() + offset(b, g);
+  }
   void check_sequence(Index b, const char* what) const {
     detail::require(b >= 0 && b < batch_, "KvCache::", what, ": expected a sequence in [0, ",
                     batch_, "), got ", b);
@@ -119,7 +163,9 @@ class KvCache {
   Index batch_ = 0, kv_heads_ = 0, head_dim_ = 0, capacity_ = 0, length_ = 0;
   bool any_padding_ = false;      // a slot was marked padding since the cache was last empty
   bool memory_ = false;           // made by make_memory_cache
-  LargeBuffer<T> keys_, values_;  // [batch, kv_heads, capacity, head_dim]
+  CacheStorage storage_ = CacheStorage::Native;
+  LargeBuffer<T> keys_, values_;  // [batch, kv_heads, capacity, head_dim] (Native)
+  LargeBuffer<std::uint16_t> keys16_, values16_;  // the same in bfloat16 (BFloat16)
   Eigen::Matrix<bool, Eigen::Dynamic, 1> padding_;  // [batch, capacity], true = padding
   std::vector<Index> lengths_;    // [batch]: tokens of each sequence; length_ is their maximum
 };
@@ -143,10 +189,41 @@ struct KvCacheAccess {
             c.capacity_ - c.length_, " new tokens (capacity ", c.capacity_, ", length ",
             c.length_, "), got ", new_tokens);
   }
+  /// Stores one token's key and value heads (d values each) of sequence b, kv head g at `slot`.
   template <class T>
-  static T* keys(KvCache<T>& c, Index b, Index g) { return c.keys_.data() + c.offset(b, g); }
+  static void store(KvCache<T>& c, Index b, Index g, Index slot, const T* key, const T* value) {
+    const Index d = c.head_dim_, at = c.offset(b, g) + slot * d;
+    if (c.storage_ == CacheStorage::Native) {
+      std::copy(key, key + d, c.keys_.data() + at);
+      std::copy(value, value + d, c.values_.data() + at);
+      return;
+    }
+    for (Index i = 0; i < d; ++i) {
+      c.keys16_[static_cast<std::size_t>(at + i)] = float_to_bfloat16(static_cast<float>(key[i]));
+      c.values16_[static_cast<std::size_t>(at + i)] =
+          float_to_bfloat16(static_cast<float>(value[i]));
+    }
+  }
+  /// Writable keys and values of sequence b, kv head g of a cache stored in T.
   template <class T>
-  static T* values(KvCache<T>& c, Index b, Index g) { return c.values_.data() + c.offset(b, g); }
+  static T* keys(KvCache<T>& c, Index b, Index g) {
+    eigen_assert(c.storage_ == CacheStorage::Native);
+    return c.keys_.data() + c.offset(b, g);
+  }
+  template <class T>
+  static T* values(KvCache<T>& c, Index b, Index g) {
+    eigen_assert(c.storage_ == CacheStorage::Native);
+    return c.values_.data() + c.offset(b, g);
+  }
+  /// Keys and values of sequence 0, kv head 0 (the rest at offset(b, g)) in either storage.
+  template <class T>
+  static const T* keys(const KvCache<T>& c) { return c.keys_.data(); }
+  template <class T>
+  static const T* values(const KvCache<T>& c) { return c.values_.data(); }
+  template <class T>
+  static const std::uint16_t* keys16(const KvCache<T>& c) { return c.keys16_.data(); }
+  template <class T>
+  static const std::uint16_t* values16(const KvCache<T>& c) { return c.values16_.data(); }
   template <class T>
   static void set_padding(KvCache<T>& c, Index b, Index slot, bool pad) {
     c.padding_[b * c.capacity_ + slot] = pad;
