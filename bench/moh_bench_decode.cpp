@@ -7,6 +7,9 @@
 //   BM_JetMoE_Decode/batch:1/context:4096/d_model:2048/kv_heads:16/experts:8/top_k:2/head_dim:128
 //   BM_MHA_Decode/batch:1/context:4096/d_model:2048/heads:32/kv_heads:16/head_dim:128
 //   BM_MHA_Decode/batch:1/context:4096/d_model:4096/heads:32/kv_heads:8/threads:2 (wall_us)
+//   BM_MHA_Decode/batch:1/context:4096/d_model:4096/heads:32/kv_heads:8/bf16:1/kv_bf16:1
+//   BM_MHA_Decode/batch:8/context:4096/d_model:1024/heads:16/kv_heads:16/ragged:1, and the
+//   BM_MoH_Decode row with /active_pct:50/ragged:1 (contexts spread evenly over [C/2, C])
 //   BM_MHA_Prefill/batch:1/tokens:2048/d_model:4096/heads:32/kv_heads:8/causal:1
 //   BM_MoH_Prefill/batch:1/tokens:2048/d_model:4096/heads:32/kv_heads:8/causal:1/active_pct:75
 //   BM_MemRead/bytes:N, BM_MemCopy/bytes:N
@@ -77,19 +80,28 @@ struct DecodeFixture {
   moh::Tensor3<float> x, y;  // [B, 1, D]
   double kv_bytes = 0, weight_bytes = 0, kv_heads_read = 0;
   std::string label;
+  std::vector<Index> lengths;  // ragged: each sequence's context; empty: all C
+  /// Keys sequence b's step attends to (its context plus the new token).
+  double keys(Index b, Index C) const {
+    return static_cast<double>((lengths.empty() ? C : lengths[static_cast<std::size_t>(b)]) + 1);
+  }
 };
 
 /// A fixture for `key`: the layer with seeded weights, its cache filled to C tokens (room for
-/// C + 1) and the step's input and output.
+/// C + 1) and the step's input and output. `ragged`: sequence b is then cut back to
+/// C/2 + b (C/2) / (B - 1) tokens, contexts spread evenly over [C/2, C].
 template <class Layer>
-std::unique_ptr<DecodeFixture<Layer>> make_fixture(const std::string& key,
-                                                   const typename Layer::Config& cfg, Index B,
-                                                   Index C, Index D) {
+std::unique_ptr<DecodeFixture<Layer>> make_fixture(
+    const std::string& key, const typename Layer::Config& cfg, Index B, Index C, Index D,
+    bool ragged = false, moh::CacheStorage storage = moh::CacheStorage::Native) {
   auto fx = std::make_unique<DecodeFixture<Layer>>();
   fx->key = key;
   fx->layer = std::make_unique<Layer>(cfg, 42);
-  fx->cache = fx->layer->make_cache(B, C + 1);
+  fx->cache = fx->layer->make_cache(B, C + 1, storage);
   fill_cache(*fx->layer, fx->cache, B, D, C);
+  if (ragged)
+    for (Index b = 0; b < B; ++b)
+      fx->lengths.push_back(C / 2 + b * (C / 2) / std::max<Index>(1, B - 1));
   fx->x = moh_bench::random_activation(B, 1, D, 99);
   fx->y = moh::Tensor3<float>(B, 1, D);
   return fx;
@@ -108,13 +120,23 @@ std::string fixture_key(const benchmark::State& state, int args, bool llama) {
   return key;
 }
 
-void roll_back(moh::KvCache<float>& cache, Index context) { cache.truncate(context); }
+/// Back to the fixture's contexts (C, or each sequence's own), keeping the stored keys/values.
+template <class Fixture>
+void roll_back(Fixture& f, Index context) {
+  if (f.lengths.empty()) {
+    f.cache.truncate(context);
+    return;
+  }
+  for (Index b = 0; b < f.cache.batch(); ++b)
+    f.cache.truncate(b, f.lengths[static_cast<std::size_t>(b)]);
+}
 
 /// The pool of the `threads:N` rows (null: the calling thread alone).
 moh::ThreadPool* decode_pool(Index threads) {
   static std::unique_ptr<moh::ThreadPool> pool;
   if (threads <= 1) return nullptr;
-  if (!pool || pool->size() != threads) pool = std::make_unique<moh::ThreadPool>(static_cast<int>(threads));
+  if (!pool || pool->size() != threads)
+    pool = std::make_unique<moh::ThreadPool>(static_cast<int>(threads));
   return pool.get();
 }
 
@@ -126,17 +148,18 @@ void run_decode(benchmark::State& state, DecodeFixture<Layer>& f, Index B, Index
   opts.causal = moh::Causal::On;
   opts.workspace = &moh_bench::bench_workspace();
   opts.pool = decode_pool(threads);
-  roll_back(f.cache, C);  // one untimed step sizes the workspace
+  roll_back(f, C);  // one untimed step sizes the workspace
   f.layer->forward_cached(xm, moh::TensorMap3<float>(f.y.data(), B, 1, D), f.cache, opts);
   double wall = 0;  // seconds: the `threads:N` rows keep their plain names (no /real_time)
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
-    roll_back(f.cache, C);
+    roll_back(f, C);
     f.layer->forward_cached(xm, moh::TensorMap3<float>(f.y.data(), B, 1, D), f.cache, opts);
     moh_bench::keep(f.y.data());
     wall += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  state.counters["wall_us"] = wall * 1e6 / static_cast<double>(std::max<std::int64_t>(1, state.iterations()));
+  state.counters["wall_us"] =
+      wall * 1e6 / static_cast<double>(std::max<std::int64_t>(1, state.iterations()));
   moh_bench::set_layer_counters(state, flops, static_cast<double>(B), active_ratio);
   const double it = static_cast<double>(state.iterations());
   state.counters["kv_GBps"] = benchmark::Counter(f.kv_bytes * it * 1e-9, benchmark::Counter::kIsRate);
@@ -153,23 +176,30 @@ void run_decode(benchmark::State& state, DecodeFixture<Layer>& f, Index B, Index
 // ---------------------------------------------------------------------------------------------
 // Dense MHA.
 // ---------------------------------------------------------------------------------------------
-void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16, Index threads = 1) {
+void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16, Index threads = 1,
+                   bool ragged = false, bool kv_bf16 = false) {
   const Index B = state.range(0), C = state.range(1), D = state.range(2), H = state.range(3),
               G = state.range(4), d = D / H;
   auto& f = fixture_slot<moh::MultiHeadAttention<float>>();
-  const std::string key = fixture_key(state, 5, llama) + (bf16 ? "/bf16" : "");  // any threads
+  const std::string key = fixture_key(state, 5, llama) + (bf16 ? "/bf16" : "") +
+                          (ragged ? "/ragged" : "") +
+                          (kv_bf16 ? "/kv_bf16" : "");  // the same for any threads
   if (!f || f->key != key) {
     f.reset();  // free the previous benchmark's cache first
     moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, 0, /*bias=*/!llama, /*rope=*/llama);
     if (bf16) cfg.weight_storage = moh::WeightStorage::BFloat16;
-    auto fx = make_fixture<moh::MultiHeadAttention<float>>(key, cfg, B, C, D);
+    const moh::CacheStorage storage =
+        kv_bf16 ? moh::CacheStorage::BFloat16 : moh::CacheStorage::Native;
+    auto fx = make_fixture<moh::MultiHeadAttention<float>>(key, cfg, B, C, D, ragged, storage);
     fx->kv_heads_read = static_cast<double>(B * G);
-    fx->kv_bytes = 2.0 * B * G * static_cast<double>(C + 1) * d * sizeof(float);
+    const double kv_value = kv_bf16 ? 2.0 : sizeof(float);
+    for (Index b = 0; b < B; ++b) fx->kv_bytes += 2.0 * G * fx->keys(b, C) * d * kv_value;
     const double w = static_cast<double>((H + 2 * G) * d * D + D * H * d);
     const double b = cfg.bias ? static_cast<double>((H + 2 * G) * d + D) : 0.0;
     fx->weight_bytes = w * (bf16 ? 2.0 : 4.0) + b * sizeof(float);
     fx->label = std::string(llama ? "llama3: bias=0 rope=1" : "bias=1 rope=0") +
-                (bf16 ? " weights=bf16" : "");
+                (bf16 ? " weights=bf16" : "") + (kv_bf16 ? " cache=bf16" : "") +
+                (ragged ? " contexts C/2..C" : "");
     f = std::move(fx);
   }
   run_decode(state, *f, B, C, D, moh_bench::mha_flops(B, 1, C + 1, D, H, G, d, true), 1.0,
@@ -179,19 +209,21 @@ void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16, Index threads
 // ---------------------------------------------------------------------------------------------
 // MoH, sparse path.
 // ---------------------------------------------------------------------------------------------
-void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16) {
+void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16, bool ragged = false) {
   const Index B = state.range(0), C = state.range(1), D = state.range(2), H = state.range(3),
               G = state.range(4), pct = state.range(5), d = D / H;
   // The prefill split rule; at the decode P values (50, 75, 100) it gives shared = H/4.
   const HeadSplit split = moh_bench::moh_split(H, pct);
   const moh::MoHRouterKind router = llama ? moh::MoHRouterKind::QueryNorm : moh::MoHRouterKind::Learned;
   auto& f = fixture_slot<moh::MoHAttention<float>>();
-  const std::string key = fixture_key(state, 6, llama) + (bf16 ? "/bf16" : "");
+  const std::string key =
+      fixture_key(state, 6, llama) + (bf16 ? "/bf16" : "") + (ragged ? "/ragged" : "");
   if (!f || f->key != key) {
     f.reset();
     moh::MoHConfig cfg = moh_bench::moh_config(D, H, G, split, router, !llama, llama);
     if (bf16) cfg.weight_storage = moh::WeightStorage::BFloat16;
-    auto fx = make_fixture<moh::MoHAttention<float>>(key, cfg, B, C, D);
+    auto fx = make_fixture<moh::MoHAttention<float>>(key, cfg, B, C, D, ragged);
+    roll_back(*fx, C);
 
     // One untimed step with the routing record: which heads and kv heads the step uses. The input
     // is the same at every iteration, so the routing is too.
@@ -201,7 +233,7 @@ void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16) {
     fx->layer->forward_cached(moh::ConstTensorMap3<float>(fx->x.data(), B, 1, D),
                               moh::TensorMap3<float>(fx->y.data(), B, 1, D), fx->cache, opts,
                               &routing);
-    roll_back(fx->cache, C);
+    roll_back(*fx, C);
     const Index group = H / G;
     std::set<Index> heads_used;
     Index kv_heads = 0;
@@ -213,6 +245,7 @@ void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16) {
           groups.insert(h / group);
         }
       kv_heads += static_cast<Index>(groups.size());
+      fx->kv_bytes += 2.0 * static_cast<double>(groups.size()) * fx->keys(b, C) * d * sizeof(float);
     }
     const bool all_queries = router == moh::MoHRouterKind::QueryNorm || split.active() == H;
     const Index q_heads = all_queries ? H : static_cast<Index>(heads_used.size());
@@ -226,12 +259,10 @@ void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16) {
     }
     fx->weight_bytes = w * (bf16 ? 2.0 : 4.0) + other * sizeof(float);
     fx->kv_heads_read = static_cast<double>(kv_heads);
-    fx->kv_bytes = 2.0 * static_cast<double>(kv_heads) * static_cast<double>(C + 1) * d *
-                   sizeof(float);
     fx->label = std::string(llama ? "llama3: query-norm router bias=0 rope=1"
                                   : "learned router bias=1 rope=0") +
                 " shared=" + std::to_string(split.shared) + " K=" + std::to_string(split.routed_k) +
-                (bf16 ? " weights=bf16" : "");
+                (bf16 ? " weights=bf16" : "") + (ragged ? " contexts C/2..C" : "");
     f = std::move(fx);
   }
   const double flops = moh_bench::moh_flops(B, 1, C + 1, D, H, G, d, true, split, router);
@@ -323,7 +354,10 @@ void BM_MemRead(benchmark::State& state) {
   using P = Eigen::internal::packet_traits<float>::type;
   constexpr Index L = Eigen::internal::packet_traits<float>::size;
   constexpr Index kAcc = 8;
-  const std::size_t bytes = static_cast<std::size_t>(state.range(0));
+  // With threads, each reads its own share of the bytes (the machine's read rate on that many
+  // cores: what a threaded decode step can reach at most).
+  const std::size_t bytes = static_cast<std::size_t>(state.range(0)) /
+                            static_cast<std::size_t>(state.threads());
   const Index n = static_cast<Index>(bytes / sizeof(float)) / (kAcc * L) * (kAcc * L);
   moh::LargeBuffer<float> buffer(static_cast<std::size_t>(n));
   for (Index i = 0; i < n; ++i) buffer[static_cast<std::size_t>(i)] = 1.0f;  // fault pages in
@@ -374,6 +408,11 @@ const bool registered = [] {
   auto mha_llama = [](benchmark::State& s) { BM_MHA_Decode(s, true, false); };
   auto mha_llama_bf16 = [](benchmark::State& s) { BM_MHA_Decode(s, true, true); };
   auto mha_llama_threads = [](benchmark::State& s) { BM_MHA_Decode(s, true, false, s.range(5)); };
+  auto mha_ragged = [](benchmark::State& s) { BM_MHA_Decode(s, false, false, 1, s.range(5) != 0); };
+  auto mha_llama_kv_bf16 = [](benchmark::State& s) {
+    BM_MHA_Decode(s, true, true, 1, false, s.range(6) != 0);
+  };
+  auto moh_ragged = [](benchmark::State& s) { BM_MoH_Decode(s, false, false, s.range(6) != 0); };
   auto moh = [](benchmark::State& s) { BM_MoH_Decode(s, false, false); };
   auto moh_llama = [](benchmark::State& s) { BM_MoH_Decode(s, true, false); };
   auto moh_llama_bf16 = [](benchmark::State& s) { BM_MoH_Decode(s, true, true); };
@@ -382,6 +421,10 @@ const bool registered = [] {
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
   for (Index c : kContexts) b->Args({1, c, 1024, 16, 16});
   b->Args({8, 4096, 1024, 16, 16});
+  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_ragged);
+  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "ragged"})
+      ->Unit(benchmark::kMicrosecond);
+  b->Args({8, 4096, 1024, 16, 16, 1});
   b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
   b->Args({1, 4096, 4096, 32, 8});
@@ -394,6 +437,10 @@ const bool registered = [] {
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "bf16"})
       ->Unit(benchmark::kMicrosecond);
   b->Args({1, 4096, 4096, 32, 8, 1});
+  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama_kv_bf16);
+  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "bf16", "kv_bf16"})
+      ->Unit(benchmark::kMicrosecond);
+  b->Args({1, 4096, 4096, 32, 8, 1, 1});
 
   b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct"})
@@ -401,6 +448,10 @@ const bool registered = [] {
   for (Index c : kContexts)
     for (Index p : kDecodePct) b->Args({1, c, 1024, 16, 16, p});
   b->Args({8, 4096, 1024, 16, 16, 50});
+  b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh_ragged);
+  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct", "ragged"})
+      ->Unit(benchmark::kMicrosecond);
+  b->Args({8, 4096, 1024, 16, 16, 50, 1});
   b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh_llama);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct"})
       ->Unit(benchmark::kMicrosecond);
@@ -431,6 +482,12 @@ const bool registered = [] {
   benchmark::RegisterBenchmark("BM_MemRead", BM_MemRead)
       ->ArgNames({"bytes"})
       ->Arg(Index{256} << 20)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("BM_MemRead", BM_MemRead)
+      ->ArgNames({"bytes"})
+      ->Arg(Index{256} << 20)
+      ->Threads(2)
+      ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("BM_MemCopy", BM_MemCopy)
       ->ArgNames({"bytes"})

@@ -224,7 +224,9 @@ def decode_section(runs, lines):
     mha = by_family(runs, "BM_MHA_Decode")
     moh = by_family(runs, "BM_MoH_Decode")
     copy = by_family(runs, "BM_MemCopy")
-    reads = by_family(runs, "BM_MemRead")
+    all_reads = by_family(runs, "BM_MemRead")
+    reads = [r for r in all_reads if (r.p("threads") or 1) == 1]
+    pair = [r for r in all_reads if (r.p("threads") or 1) > 1]
     if not (mha or moh or copy or reads):
         return
     lines.append("## Decode: one causal step at context C (1 thread unless `threads` says otherwise)")
@@ -237,6 +239,9 @@ def decode_section(runs, lines):
                      f"{fmt(reads[0].ms, 2)} ms, {fmt(read, 2)} GB/s. `% of read` = total GB/s / "
                      "this rate: how close a step comes to streaming its bytes at the rate one "
                      "core reads memory.")
+        for r in pair:
+            lines.append(f"On {r.p('threads')} threads (each its share): "
+                         f"{fmt(r.c('read_GBps'), 2)} GB/s.")
         lines.append("")
     if copy:
         m = copy[0]
@@ -259,7 +264,8 @@ def decode_section(runs, lines):
         return (r.p("batch"), r.p("context"), r.p("d_model"), r.p("heads"), r.p("kv_heads"))
 
     def variant(r):  # rows compare with the MHA row of the same weights and threads
-        return (key(r), r.p("bf16") or 0, r.p("threads") or 1)
+        return (key(r), r.p("bf16") or 0, r.p("threads") or 1, r.p("ragged") or 0,
+                r.p("kv_bf16") or 0)
 
     def step_us(r):  # a threads:N row's time is its wall time per step
         return r.c("wall_us") if (r.p("threads") or 1) > 1 else r.ms * 1e3
@@ -270,8 +276,10 @@ def decode_section(runs, lines):
     rows = []
     for k in keys:
         members = sorted((r for r in mha + moh if key(r) == k),
-                         key=lambda r: (r.p("bf16") or 0, r.p("threads") or 1,
-                                        r.family != "BM_MHA_Decode", r.p("active_pct") or 0))
+                         key=lambda r: (r.p("bf16") or 0, r.p("kv_bf16") or 0,
+                                        r.p("threads") or 1, r.p("ragged") or 0,
+                                        r.family != "BM_MHA_Decode",
+                                        r.p("active_pct") or 0))
         for r in members:
             b = base.get(variant(r))
             is_mha = r.family == "BM_MHA_Decode"
@@ -279,7 +287,9 @@ def decode_section(runs, lines):
             rows.append([
                 f"({', '.join(str(v) for v in k)})",
                 ("MHA" if is_mha else "MoH") + (" bf16" if r.p("bf16") else "") +
-                (f" {r.p('threads')} threads" if (r.p("threads") or 1) > 1 else ""),
+                (f" {r.p('threads')} threads" if (r.p("threads") or 1) > 1 else "") +
+                (" ragged" if r.p("ragged") else "") +
+                (" bf16 cache" if r.p("kv_bf16") else ""),
                 "100" if is_mha else str(r.p("active_pct")),
                 "-" if is_mha else f"{fmt(r.c('shared_heads'), 0)}/{fmt(r.c('routed_k'), 0)}",
                 fmt(step_us(r), 0), fmt(step_us(r) / step_us(b)) if b else "n/a",
@@ -296,7 +306,7 @@ def decode_section(runs, lines):
                     "---:", "---:", "---:", "---:", "---"])
     lines.append("")
     for r in threaded:
-        one = base.get((key(r), r.p("bf16") or 0, 1))
+        one = base.get((key(r), r.p("bf16") or 0, 1, 0, 0))
         if one:
             lines.append(f"`{r.run_name}`: wall {fmt(step_us(r), 0)} us per step against "
                          f"{fmt(one.c('wall_us') or one.ms * 1e3, 0)} us on one thread: "
