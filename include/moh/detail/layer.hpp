@@ -316,15 +316,21 @@ class AttentionLayer {
     return RopeTable<T>(first, tokens, shape_.d, shape_.rope_theta,
                         arena.allocate<T>(RopeTable<T>::storage_size(tokens, shape_.d)));
   }
-  /// The table of `tokens` new tokens after each sequence's cached ones: positions
-  /// [shortest, longest + tokens), each sequence starting at its own length.
+  /// The table of `tokens` new tokens after each sequence's cached ones. A ragged cache gets
+  /// B x tokens rows, sequence b's at positions length(b) + t (only the rows used: one row per
+  /// token however far apart the lengths are).
   RopeTable<T> cache_rope(const KvCache<T>& cache, Index tokens, Arena& arena) const {
-    if (!cache.ragged()) return rope_table(cache.length(), tokens, arena);
-    const Index* lengths = KvCacheAccess::lengths(cache);
-    const Index B = cache.batch(), first = *std::min_element(lengths, lengths + B);
-    RopeTable<T> table = rope_table(first, cache.length() - first + tokens, arena);
+    if (!cache.ragged() || !shape_.rope) return rope_table(cache.length(), tokens, arena);
+    const Index B = cache.batch();
+    Index* positions = arena.allocate<Index>(B * tokens);
     Index* starts = arena.allocate<Index>(B);
-    for (Index b = 0; b < B; ++b) starts[b] = lengths[b] - first;
+    for (Index b = 0; b < B; ++b) {
+      starts[b] = b * tokens;
+      for (Index t = 0; t < tokens; ++t) positions[b * tokens + t] = cache.length(b) + t;
+    }
+    RopeTable<T> table = RopeTable<T>::at_positions(
+        positions, B * tokens, shape_.d, shape_.rope_theta,
+        arena.allocate<T>(RopeTable<T>::storage_size(B * tokens, shape_.d)));
     table.set_sequence_starts(starts);
     return table;
   }
@@ -479,7 +485,7 @@ class AttentionLayer {
   }
 
   /// Writes the new tokens' keys/values (KV [B*T, 2 H_kv d]) and padding flags into the slots
-  /// after the cache's length (which the caller advances once the call has succeeded).
+  /// after each sequence's length (which the caller advances once the call has succeeded).
   void write_slots(const ConstRowsRef<T>& KV, Index batch, Index tokens,
                    const PaddingMask& padding, KvCache<T>& cache) const {
     const Index d = shape_.d, Hkv = shape_.Hkv;

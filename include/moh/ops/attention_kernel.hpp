@@ -335,7 +335,8 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   constexpr Index L = detail::packet_size<T>();
   // Register-tiled products for whole-packet head sizes and enough queries to pay for laying
-  // out the keys; otherwise (odd d, a decode step's few queries) Eigen's GEMM/GEMV.
+  // out the keys; a decode step's few queries read the keys and values in place (few); odd head
+  // sizes go through Eigen's products.
   const bool fast = tiled_head<T>(d) && (packed != nullptr || n_q >= kPackedQueries);
   const bool few = !fast && tiled_head<T>(d);  // few_query_scores / few_query_values
   eigen_assert(packed == nullptr || packed->keys == S);

@@ -48,16 +48,16 @@ class RopeTable {
   RopeTable() = default;
   RopeTable(Index first, Index count, Index d, double base, T* storage)
       : d_(d), table_(storage) {
-    // rope_angles() for each position, with each frequency's pow computed once: the same bits.
-    const Index half = d / 2;
-    for (Index j = 0; j < half; ++j) {
-      const double theta = std::pow(base, -2.0 * static_cast<double>(j) / static_cast<double>(d));
-      for (Index i = 0; i < count; ++i) {
-        const double angle = static_cast<double>(first + i) * theta;
-        table_[i * d + j] = static_cast<T>(std::cos(angle));
-        table_[i * d + half + j] = static_cast<T>(std::sin(angle));
-      }
-    }
+    fill(count, base, [first](Index i) { return first + i; });
+  }
+  /// Rows at any positions: row i is position positions[i] (a ragged KV cache's new tokens).
+  static RopeTable at_positions(const Index* positions, Index count, Index d, double base,
+                                T* storage) {
+    RopeTable table;
+    table.d_ = d;
+    table.table_ = storage;
+    table.fill(count, base, [positions](Index i) { return positions[i]; });
+    return table;
   }
   static Index storage_size(Index count, Index d) { return count * d; }
   /// Rotates head vector x[0, d) as at position first + i.
@@ -65,8 +65,8 @@ class RopeTable {
     const T* row = table_ + i * d_;
     rope_rotate(x, d_, row, row + d_ / 2);
   }
-  /// Sequences that start at different positions (a ragged KV cache): sequence b's token t is at
-  /// position first + starts[b] + t. `starts` ([batch], not owned) outlives the table's use.
+  /// Sequences whose rows start at different rows of the table (a ragged KV cache): token t of
+  /// sequence b is row starts[b] + t. `starts` ([batch], not owned) outlives the table's use.
   void set_sequence_starts(const Index* starts) { starts_ = starts; }
   /// Rotates head vector x[0, d) of token t of sequence b.
   void rotate(T* x, Index b, Index t) const { rotate(x, (starts_ ? starts_[b] : 0) + t); }
@@ -74,6 +74,22 @@ class RopeTable {
   explicit operator bool() const { return table_ != nullptr; }
 
  private:
+  // rope_angles() for row i at position position(i), each frequency's pow computed once: the
+  // same bits.
+  template <class Position>
+  void fill(Index count, double base, Position position) {
+    const Index half = d_ / 2;
+    for (Index j = 0; j < half; ++j) {
+      const double theta =
+          std::pow(base, -2.0 * static_cast<double>(j) / static_cast<double>(d_));
+      for (Index i = 0; i < count; ++i) {
+        const double angle = static_cast<double>(position(i)) * theta;
+        table_[i * d_ + j] = static_cast<T>(std::cos(angle));
+        table_[i * d_ + half + j] = static_cast<T>(std::sin(angle));
+      }
+    }
+  }
+
   Index d_ = 0;
   T* table_ = nullptr;  // [count, d]: cos for j < d/2, then sin
   const Index* starts_ = nullptr;
