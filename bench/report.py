@@ -36,7 +36,7 @@ class Run:
         parts = run_name.split("/")
         self.family = parts[0]
         self.params = OrderedDict()
-        self.real_time = run_name.endswith("/real_time")
+        self.real_time = "/real_time" in run_name  # before /threads:N when both
         for p in parts[1:]:
             if ":" in p:
                 k, v = p.split(":", 1)
@@ -239,9 +239,9 @@ def decode_section(runs, lines):
                      f"{fmt(reads[0].ms, 2)} ms, {fmt(read, 2)} GB/s. `% of read` = total GB/s / "
                      "this rate: how close a step comes to streaming its bytes at the rate one "
                      "core reads memory.")
-        for r in pair:
-            lines.append(f"On {r.p('threads')} threads (each its share): "
-                         f"{fmt(r.c('read_GBps'), 2)} GB/s.")
+        for r in pair:  # the threads' shares add up to `bytes`, read in the wall time
+            lines.append(f"On {r.p('threads')} threads (each reads its share): "
+                         f"{fmt(r.ms, 2)} ms, {fmt(r.p('bytes') / r.ms / 1e6, 2)} GB/s.")
         lines.append("")
     if copy:
         m = copy[0]
