@@ -21,23 +21,11 @@ constexpr Index kBatch = 2, kPrompt = 40, kSteps = 3;
 /// `storage`, on `pool`.
 template <class Layer>
 moh::Tensor3<float> decode(const Layer& layer, moh::CacheStorage storage, moh::ThreadPool* pool) {
-  const Index D = layer.embed_dim(), T = kPrompt + kSteps;
-  const moh::Tensor3<float> x = moh_test::random_tensor<float>(kBatch, T, D, 8);
-  moh::Tensor3<float> y(kBatch, T, D);
-  moh::KvCache<float> cache = layer.make_cache(kBatch, T, storage);
-  EXPECT_EQ(cache.storage(), storage);
   moh::ForwardOptions opts;
   opts.pool = pool;
-  for (Index t = 0; t < T;) {
-    const Index n = t == 0 ? kPrompt : 1;
-    moh::Tensor3<float> xs = x.slice(Eigen::array<Index, 3>{0, t, 0},
-                                     Eigen::array<Index, 3>{kBatch, n, D});
-    moh::Tensor3<float> ys(kBatch, n, D);
-    layer.forward_cached(xs, ys, cache, opts);
-    y.slice(Eigen::array<Index, 3>{0, t, 0}, Eigen::array<Index, 3>{kBatch, n, D}) = ys;
-    t += n;
-  }
-  return y;
+  return moh_test::decode_prompt_then_steps(
+      layer, moh_test::random_tensor<float>(kBatch, kPrompt + kSteps, layer.embed_dim(), 8),
+      kPrompt, opts, storage);
 }
 
 template <class Layer>
@@ -85,6 +73,8 @@ TEST(CacheStorage, HoldsRoundedKeysAndNamesTheAccessor) {
   const moh::MultiHeadAttention<float> layer(moh_test::mha_config(32, 2, 0, 16), 3);
   moh::KvCache<float> narrow = layer.make_cache(1, 4, moh::CacheStorage::BFloat16);
   moh::KvCache<float> wide = layer.make_cache(1, 4);
+  EXPECT_EQ(narrow.storage(), moh::CacheStorage::BFloat16);
+  EXPECT_EQ(wide.storage(), moh::CacheStorage::Native);
   EXPECT_EQ(narrow.bytes() * 2, wide.bytes());
   const moh::Tensor3<float> x = moh_test::random_tensor<float>(1, 3, 32, 4);
   moh::Tensor3<float> y(1, 3, 32);

@@ -20,24 +20,11 @@ constexpr Index kBatch = 2, kPrompt = 21, kSteps = 4;
 /// The prompt's outputs and then each step's, [B, kPrompt + kSteps, D], decoded on `pool`.
 template <class Layer>
 moh::Tensor3<float> decode(const Layer& layer, moh::ThreadPool* pool) {
-  const Index D = layer.embed_dim(), T = kPrompt + kSteps;
-  const moh::Tensor3<float> x = moh_test::random_tensor<float>(kBatch, T, D, 5);
-  moh::Tensor3<float> y(kBatch, T, D);
-  moh::KvCache<float> cache = layer.make_cache(kBatch, T);
   moh::ForwardOptions opts;
   opts.pool = pool;
-  moh::Workspace ws;
-  opts.workspace = &ws;
-  for (Index t = 0; t < T;) {
-    const Index n = t == 0 ? kPrompt : 1;
-    moh::Tensor3<float> xs = x.slice(Eigen::array<Index, 3>{0, t, 0},
-                                     Eigen::array<Index, 3>{kBatch, n, D});
-    moh::Tensor3<float> ys(kBatch, n, D);
-    layer.forward_cached(xs, ys, cache, opts);
-    y.slice(Eigen::array<Index, 3>{0, t, 0}, Eigen::array<Index, 3>{kBatch, n, D}) = ys;
-    t += n;
-  }
-  return y;
+  return moh_test::decode_prompt_then_steps(
+      layer, moh_test::random_tensor<float>(kBatch, kPrompt + kSteps, layer.embed_dim(), 5),
+      kPrompt, opts);
 }
 
 template <class Layer>

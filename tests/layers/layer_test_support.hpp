@@ -310,6 +310,30 @@ void check_three_sequence_masks(const Layer& layer, const moh::Tensor3<typename 
   }
 }
 
+/// Decodes x [B, T, D] through a fresh cache of `storage`: the first `prompt` tokens in one
+/// forward_cached call, then one token per call, with `opts` and a workspace of its own; returns
+/// the outputs [B, T, D].
+template <class Layer>
+moh::Tensor3<float> decode_prompt_then_steps(const Layer& layer, const moh::Tensor3<float>& x,
+                                             Index prompt, moh::ForwardOptions opts,
+                                             moh::CacheStorage storage = moh::CacheStorage::Native) {
+  const Index B = x.dimension(0), T = x.dimension(1), D = x.dimension(2);
+  moh::Tensor3<float> y(B, T, D);
+  moh::KvCache<float> cache = layer.make_cache(B, T, storage);
+  moh::Workspace ws;
+  opts.workspace = &ws;
+  for (Index t = 0; t < T;) {
+    const Index n = t == 0 ? prompt : 1;
+    moh::Tensor3<float> xs =
+        x.slice(Eigen::array<Index, 3>{0, t, 0}, Eigen::array<Index, 3>{B, n, D});
+    moh::Tensor3<float> ys(B, n, D);
+    layer.forward_cached(xs, ys, cache, opts);
+    y.slice(Eigen::array<Index, 3>{0, t, 0}, Eigen::array<Index, 3>{B, n, D}) = ys;
+    t += n;
+  }
+  return y;
+}
+
 /// f(pool) returns a tensor; with pools of 1, 2 and 3 threads it must give the bits it gives on
 /// the calling thread alone (pool null), which are returned.
 template <class F>

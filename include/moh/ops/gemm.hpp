@@ -71,6 +71,18 @@ struct GemmB {
   Index run(Index depth) const {
     return transposed && panel_depth > 0 ? std::min(depth, panel_depth - panel_k) : depth;
   }
+  /// Calls fn(k0, n, B from row k0 on) for the runs of storage that cover k in [0, depth), in
+  /// order; once with n = 0 when depth is 0.
+  template <class Fn>
+  void for_each_run(Index depth, Fn&& fn) const {
+    Index k = 0;
+    do {
+      const GemmB s = offset(k, 0);
+      const Index n = s.run(depth - k);
+      fn(k, n, s);
+      k += n;
+    } while (k < depth);
+  }
 };
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -328,15 +340,12 @@ void pack_rows(const Src* src, Index lds, Index rows, Index cols, T* dst, Index 
 template <class T>
 void pack_b_panel(const GemmB<T>& b, Index kc, Index w, Index NR, T* panel) {
   if (b.transposed) {
-    for (Index k = 0; k < kc;) {  // one run of the storage at a time
-      const GemmB<T> s = b.offset(k, 0);
-      const Index n = s.run(kc - k);
+    b.for_each_run(kc, [&](Index k, Index n, const GemmB<T>& s) {
       if (s.values)
         pack_transposed<T>(s.values, s.ld, w, n, panel + k * NR, NR);
       else
         pack_transposed<T>(s.bf16, s.ld, w, n, panel + k * NR, NR);
-      k += n;
-    }
+    });
   } else if (b.values) {
     pack_rows<T>(b.values, b.ld, kc, w, panel, NR);
   } else {
@@ -529,16 +538,13 @@ void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M
               Index K, bool accumulate, Arena& arena) {
   using S = GemmShape<T>;
   if (B.transposed && M <= kFewRows) {
-    Index k = 0;
-    do {  // one run of the storage (a head's panel) at a time; once when K = 0 (C = 0 or kept)
-      const GemmB<T> s = B.offset(k, 0);
-      const Index n = s.run(K - k);
+    // One run of the storage (a head's panel) at a time; once when K = 0 (C = 0 or kept).
+    B.for_each_run(K, [&](Index k, Index n, const GemmB<T>& s) {
       if (s.values)
         rows_product<T>(A + k, lda, M, s.values, s.ld, N, n, C, ldc, accumulate || k > 0);
       else
         rows_product<T>(A + k, lda, M, s.bf16, s.ld, N, n, C, ldc, accumulate || k > 0);
-      k += n;
-    } while (k < K);
+    });
     return;
   }
   if (!B.transposed && M <= kFewRows && S::L > 1 && N % S::L == 0) {
