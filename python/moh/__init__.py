@@ -1,0 +1,59 @@
+"""moh: exact Mixture-of-Head and Mixture-of-Attention-heads layers whose cost follows the heads used.
+
+The layers are moh's C++ layers (``moh._core``), with the same names and config fields as in C++::
+
+    import numpy as np, moh
+    config = moh.MoHConfig(embed_dim=256, num_heads=8, shared_heads=2, active_routed_heads=2)
+    layer = moh.MoHAttention(config, seed=2)          # or moh.from_torch(trained_module)
+    routing = moh.MoHRouting()
+    y = layer(np.random.rand(2, 16, 256).astype(np.float32), routing=routing)
+    routing.active_fraction()                         # 0.5: half of the heads per token
+
+Inputs are NumPy arrays or CPU torch tensors ``[B, T, D]``; a C-contiguous one of the layer's dtype
+(float32 by default, float64 with ``dtype="float64"``) is read where it lies, and the result has
+the input's type. Options of a call are keyword arguments: ``key_padding_mask``, ``causal``,
+``attn_bias``, ``need_weights`` / ``attention_weights``, ``grid``, ``mode``, ``position_offset``,
+``query_padding_mask``, ``new_token_padding_mask``, ``routing``, ``threads`` / ``pool``, ``out``.
+Every error is a ``moh.Error``, a ``ValueError`` carrying the C++ message.
+"""
+
+from ._core import (  # noqa: F401  (the public API)
+    CacheStorage,
+    Causal,
+    ComputeMode,
+    Error,
+    KvCache,
+    MHAConfig,
+    MoAConfig,
+    MoAGating,
+    MoANames,
+    MoARouting,
+    MoAAttention,
+    MoHAttention,
+    MoHConfig,
+    MoHRouterKind,
+    MoHRouting,
+    MoHScores,
+    MultiHeadAttention,
+    ThreadPool,
+    WeightStorage,
+    input_copies,
+    load_safetensors,
+)
+from .torch_interop import from_torch, state_dict_of  # noqa: F401
+
+
+def save_safetensors(layer, path, prefix="", dtype="float32"):
+    """Writes ``layer``'s weights (the authors' fused names) and its config to ``path``;
+    ``moh.load_safetensors(path)`` rebuilds the layer, and the file loads into the matching
+    PyTorch module (``tools/moh_modules.py``) by its tensor names."""
+    layer.save_safetensors(path, prefix, dtype)
+
+
+__all__ = [
+    "CacheStorage", "Causal", "ComputeMode", "Error", "KvCache", "MHAConfig", "MoAConfig",
+    "MoAGating", "MoANames", "MoARouting", "MoAAttention", "MoHAttention", "MoHConfig",
+    "MoHRouterKind", "MoHRouting", "MoHScores", "MultiHeadAttention", "ThreadPool",
+    "WeightStorage", "from_torch", "input_copies", "load_safetensors", "save_safetensors",
+    "state_dict_of",
+]
