@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -153,6 +154,18 @@ moh::ConstTensorMap3<T> map3(const py::array_t<T, py::array::c_style>& a) {
   return moh::ConstTensorMap3<T>(a.data(), a.shape(0), a.shape(1), a.shape(2));
 }
 
+/// An integer option or field (a Python int, or anything with __index__ such as numpy.int64).
+Index integer(py::handle v, const std::string& where) {
+  if (py::isinstance<py::bool_>(v) || !PyIndex_Check(v.ptr()))
+    fail(where + ": expected an integer, got " + type_name(v));
+  return py::int_(py::reinterpret_borrow<py::object>(v)).cast<Index>();
+}
+
+bool flag(py::handle v, const std::string& where) {
+  if (!py::isinstance<py::bool_>(v)) fail(where + ": expected True or False, got " + type_name(v));
+  return v.cast<bool>();
+}
+
 // ---- thread pools -------------------------------------------------------------------------------
 
 /// The pool of `threads` threads (created on first use, kept for the process).
@@ -252,13 +265,9 @@ void set_field(C& c, const std::string& key, py::handle value) {
         fail(where + ": expected one of " + moh::detail::enum_list<F>() + ", got " +
              type_name(value));
     } else if constexpr (std::is_same<F, bool>::value) {
-      if (!py::isinstance<py::bool_>(value))
-        fail(where + ": expected True or False, got " + type_name(value));
-      field = value.cast<bool>();
+      field = flag(value, where);
     } else if constexpr (std::is_integral<F>::value) {
-      if (py::isinstance<py::bool_>(value) || !py::isinstance<py::int_>(value))
-        fail(where + ": expected an integer, got " + type_name(value));
-      field = value.cast<F>();
+      field = static_cast<F>(integer(value, where));
     } else {
       if (py::isinstance<py::bool_>(value) ||
           !(py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value)))
@@ -407,6 +416,11 @@ class PyLayer {
   std::variant<std::shared_ptr<F32>, std::shared_ptr<F64>> impl_;
   mutable std::mutex mutex_;
   mutable std::vector<std::unique_ptr<moh::Workspace>> free_;
+
+ public:
+  /// Calls hold it shared, weight changes exclusively; both only while the GIL is released (a
+  /// call reacquires the GIL after letting go of it, so the two locks never wait on each other).
+  mutable std::shared_mutex weights_mutex;
 };
 
 const char* const kCallOptions =
@@ -476,7 +490,11 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
     const std::string key = item.first.cast<std::string>();
     const py::handle v = item.second;
     if (key == "threads") {
-      if (!v.is_none()) threads = v.cast<int>();
+      if (!v.is_none()) {
+        const Index n = integer(v, name + ": threads");
+        if (n < 1 || n > 1024) fail(name + ": threads: expected 1..1024, got " + std::to_string(n));
+        threads = static_cast<int>(n);
+      }
       continue;
     }
     if (v.is_none()) continue;  // an option given as None is the option left out
@@ -499,17 +517,20 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
     } else if (key == "attention_weights") {
       weights_obj = py::reinterpret_borrow<py::object>(v);
     } else if (key == "need_weights") {
-      need_weights = v.cast<bool>();
+      need_weights = flag(v, name + ": need_weights");
     } else if (key == "grid") {
-      const auto g = v.cast<std::vector<Index>>();
-      if (g.size() != 2) fail(name + ": grid: expected (h, w), got " + std::to_string(g.size()) + " values");
-      opts.grid_h = g[0];
-      opts.grid_w = g[1];
+      if (!py::isinstance<py::sequence>(v) || py::len(v) != 2)
+        fail(name + ": grid: expected (h, w), got " + std::string(py::repr(v)));
+      const py::sequence g = py::reinterpret_borrow<py::sequence>(v);
+      opts.grid_h = integer(g[0], name + ": grid");
+      opts.grid_w = integer(g[1], name + ": grid");
     } else if (key == "position_offset") {
-      opts.position_offset = v.cast<Index>();
+      opts.position_offset = integer(v, name + ": position_offset");
     } else if (key == "routing") {
       routing_obj = py::reinterpret_borrow<py::object>(v);
     } else if (key == "pool") {
+      if (!py::isinstance<moh::ThreadPool>(v))
+        fail(name + ": pool: expected a moh.ThreadPool, got " + type_name(v));
       opts.pool = &v.cast<moh::ThreadPool&>();
     } else if (key == "out") {
       out_obj = py::reinterpret_borrow<py::object>(v);
@@ -571,6 +592,7 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
     typename Outer::Lease lease(outer);
     opts.workspace = lease.get();
     const py::gil_scoped_release unlocked;
+    const std::shared_lock<std::shared_mutex> reading(outer.weights_mutex);
     moh::TensorMap3<T> ym(y.mutable_data(), B, Tq, layer.embed_dim());
     switch (entry) {
       case Entry::Self:
@@ -730,6 +752,7 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
           typename P::Lease lease(p);
           opts.workspace = lease.get();
           const py::gil_scoped_release unlocked;
+          const std::shared_lock<std::shared_mutex> reading(p.weights_mutex);
           return PyKvCache{l.make_memory_cache(map3(mem), opts)};
         });
       },
@@ -751,6 +774,7 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
       [](const P& p, const std::string& wname) {
         return p.visit([&](const auto& l) {
           using T = typename std::decay_t<decltype(l)>::Scalar;
+          const std::shared_lock<std::shared_mutex> reading(p.weights_mutex);
           const std::vector<T> v = l.weight(wname);
           std::vector<std::int64_t> shape;
           for (const moh::WeightInfo& w : l.weight_infos())
@@ -787,6 +811,8 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
             fail(what + ": expected shape " + want + "], got " + shape_of(a));
           }
           const auto c = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(a);
+          const py::gil_scoped_release unlocked;
+          const std::unique_lock<std::shared_mutex> writing(p.weights_mutex);
           l.set_weight(wname, c.data(), static_cast<Index>(c.size()));
         });
       },
@@ -799,6 +825,8 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
         p.visit_mut([&](auto& l) {
           const std::string layer = std::decay_t<decltype(l)>::kName;
           const moh::SafeTensors st = moh::SafeTensors::from_bytes(mapping_bytes(tensors, layer), "state_dict");
+          const py::gil_scoped_release unlocked;
+          const std::unique_lock<std::shared_mutex> writing(p.weights_mutex);
           moh::load_weights(l, st, prefix);
         });
       },
@@ -810,6 +838,8 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
       "load_safetensors",
       [](P& p, const std::string& path, const std::string& prefix) {
         const Source src(path);
+        const py::gil_scoped_release unlocked;
+        const std::unique_lock<std::shared_mutex> writing(p.weights_mutex);
         p.visit_mut([&](auto& l) { moh::load_weights(l, *src, prefix); });
       },
       py::arg("path"), py::arg("prefix") = "",
@@ -819,6 +849,7 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
       [](const P& p, const std::string& path, const std::string& prefix, const std::string& dtype) {
         p.visit([&](const auto& l) {
           moh::SafeTensorsWriter w;
+          const std::shared_lock<std::shared_mutex> reading(p.weights_mutex);
           moh::save_weights(w, l, prefix, file_dtype(dtype));
           w.write(path);
         });
