@@ -21,6 +21,8 @@ off the module, and are the config's C++ field names (plus ``pretrain_grid=(h, w
 attention).
 """
 
+import math
+
 from . import _core
 
 KINDS = ("mha", "moh", "moh_vit", "moh_llama", "moa", "jetmoe")
@@ -126,6 +128,9 @@ def _moh_vit_settings(module, state):
     if grid is not None:
         s["pretrain_grid"] = tuple(int(g) for g in grid)
     tokens = _attr(module, "train_tokens")
+    scale = getattr(module, "seq_length_scale", None)  # the authors' buffer: ln(N_0)
+    if tokens is None and scale is not None:
+        tokens = round(math.exp(float(scale)))
     if tokens is not None:
         s["train_tokens"] = int(tokens)
     s["cpb_hidden"] = int(state["cpb_fc1.weight"].shape[0])
