@@ -44,9 +44,10 @@ from .torch_interop import from_torch, state_dict_of  # noqa: F401
 
 
 def save_safetensors(layer, path, prefix="", dtype="float32"):
-    """Writes ``layer``'s weights (the authors' fused names) and its config to ``path``;
-    ``moh.load_safetensors(path)`` rebuilds the layer, and the file loads into the matching
-    PyTorch module (``tools/moh_modules.py``) by its tensor names."""
+    """Writes ``layer``'s weights under the authors' fused names (qkv, proj, in_proj_weight, ...)
+    and its config to ``path``; ``moh.load_safetensors(path)`` rebuilds the layer. For a PyTorch
+    module under other names (LLaMA's q_proj, ...), use ``moh.state_dict_of(layer,
+    layout="split")``."""
     layer.save_safetensors(path, prefix, dtype)
 
 

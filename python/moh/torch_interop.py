@@ -241,13 +241,34 @@ def from_torch(module, kind=None, dtype="float32", weight_storage=None, prefix="
     return layer
 
 
-def state_dict_of(layer, as_torch=False):
-    """{name: array} of ``layer``'s tensors under the authors' PyTorch names (fused layouts), as
-    NumPy arrays or (``as_torch``) torch tensors, for ``module.load_state_dict``."""
-    out = {name: layer.weight(name) for name, _ in layer.weight_infos()}
+def state_dict_of(layer, as_torch=False, layout=None):
+    """{name: array} of ``layer``'s tensors, as NumPy arrays or (``as_torch``) torch tensors, for
+    ``module.load_state_dict``.
+
+    layout: "fused" (the authors' names: qkv, proj, in_proj_weight, ...) or "split" (each fused
+    tensor as its published parts and a renamed tensor by its first other name: LLaMA's q_proj,
+    k_proj, v_proj, o_proj). Default: "split" for a MoH layer with the query-norm router
+    (MoH-LLaMA's modules use LLaMA's names), else "fused".
+    """
+    if layout is None:
+        router = getattr(layer.config, "router", None)
+        layout = "split" if router == _core.MoHRouterKind.QueryNorm else "fused"
+    if layout not in ("fused", "split"):
+        raise _core.Error(f"state_dict_of: layout: expected 'fused' or 'split', got {layout!r}")
+    out = {}
+    for name, _, parts, aliases in layer.weight_layouts():
+        value = layer.weight(name)
+        if layout == "split" and parts:
+            first = 0
+            for part, shape in parts:
+                out[part] = value[first:first + shape[0]].copy()
+                first += shape[0]
+        elif layout == "split" and aliases:
+            out[aliases[0]] = value
+        else:
+            out[name] = value
     if as_torch:
         import torch
 
         out = {k: torch.from_numpy(v) for k, v in out.items()}
     return out
-

@@ -770,6 +770,24 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
       },
       "[(name, shape)] of the layer's tensors under the authors' PyTorch names.");
   cls.def(
+      "weight_layouts",
+      [](const P& p) {
+        return p.visit([](const auto& l) {
+          py::list out;
+          for (const moh::WeightInfo& w : l.weight_infos()) {
+            py::list parts;
+            for (const moh::WeightInfo& part : w.parts)
+              parts.append(py::make_tuple(part.name, py::tuple(py::cast(part.shape))));
+            out.append(py::make_tuple(w.name, py::tuple(py::cast(w.shape)), parts,
+                                      py::cast(w.aliases)));
+          }
+          return out;
+        });
+      },
+      "[(name, shape, parts, aliases)]: the other layouts each tensor is published in (parts: "
+      "[(name, shape)] stacked along the first axis, e.g. LLaMA's q_proj, k_proj, v_proj; "
+      "aliases: the same tensor under other names, e.g. o_proj.weight).");
+  cls.def(
       "weight",
       [](const P& p, const std::string& wname) {
         return p.visit([&](const auto& l) {
