@@ -22,6 +22,7 @@ attention).
 """
 
 import math
+import warnings
 
 from . import _core
 
@@ -98,6 +99,11 @@ def _mha_settings(module):
             "from_torch: torch.nn.MultiheadAttention: expected add_bias_kv=False and "
             "add_zero_attn=False, got add_bias_kv="
             f"{module.bias_k is not None}, add_zero_attn={module.add_zero_attn}")
+    if not getattr(module, "batch_first", False):
+        warnings.warn(
+            "from_torch: this torch.nn.MultiheadAttention takes [T, B, D] (batch_first=False); "
+            "the moh layer takes [B, T, D]: pass x.transpose(0, 1) (the weights are the same)",
+            stacklevel=3)
     return {"embed_dim": module.embed_dim, "num_heads": module.num_heads,
             "bias": module.in_proj_bias is not None}
 

@@ -328,3 +328,22 @@ def test_factories_and_layer_config(rng):
     assert zero.weights_set
     y = zero(rng.standard_normal((1, 3, 32)).astype(np.float32), causal=True)
     assert np.all(y == 0.0)
+
+
+def test_from_torch_warns_about_a_sequence_first_multihead_attention():
+    """nn.MultiheadAttention defaults to [T, B, D]; moh takes [B, T, D]: converting one that is
+    not batch_first says so (the weights convert all the same)."""
+    import warnings
+
+    import torch
+
+    module = torch.nn.MultiheadAttention(16, 2)  # batch_first=False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = moh.from_torch(module)
+    assert any("batch_first=False" in str(w.message) for w in caught)
+    x = torch.randn(5, 3, 16)  # [T, B, D]
+    with torch.no_grad():
+        want = module(x, x, x, need_weights=False)[0].transpose(0, 1)
+    got = layer(x.transpose(0, 1).contiguous())
+    assert torch.allclose(got, want, atol=1e-5)

@@ -136,6 +136,8 @@ TEST(RaggedCache, LengthsPerSequence) {
   EXPECT_TRUE(moh_test::Mentions(moh_test::error_of([&] { c.truncate(0, 3); }), {"sequence 0",
                                                                                   "[0, 2]", "3"}));
   EXPECT_TRUE(moh_test::Mentions(moh_test::error_of([&] { c.length(3); }), {"[0, 3)", "3"}));
+  EXPECT_TRUE(moh_test::Mentions(moh_test::error_of([&] { c.reset(3); }),
+                                 {"KvCache::reset", "[0, 3)", "3"}));
   c.truncate(4);  // every sequence at most 4
   EXPECT_EQ(c.length(0), 2);
   EXPECT_EQ(c.length(1), 4);

@@ -423,7 +423,8 @@ class AttentionLayer {
       const Index Hb = derived().bias_heads(), b0 = m.dimension(0), h0 = m.dimension(1);
       if (!((b0 == batch || b0 == 1) && (h0 == Hb || h0 == 1) && m.dimension(2) == tokens &&
             m.dimension(3) == keys))
-        fail(name, ": attn_bias: expected shape [", batch, " or 1, ",
+        fail(name, ": attn_bias: expected shape [",
+             batch == 1 ? std::string("1") : std::to_string(batch) + " or 1", ", ",
              Hb == 1 ? std::string("1") : std::to_string(Hb) + " or 1", ", ", tokens, ", ", keys,
              "] (batch, heads, queries, keys), got [", b0, ", ", h0, ", ", m.dimension(2), ", ",
              m.dimension(3), "]");

@@ -87,7 +87,10 @@ class KvCache {
   void reset() { truncate(0); }
   /// Forgets sequence b's tokens (a finished conversation whose row takes a new one); the other
   /// sequences keep theirs.
-  void reset(Index b) { truncate(b, 0); }
+  void reset(Index b) {
+    check_sequence(b, "reset");
+    truncate(b, 0);
+  }
   /// Keeps at most the first `length` tokens of every sequence (e.g. rejected speculative
   /// tokens): the next forward_cached() continues each from there. Requires
   /// 0 <= length <= length().
