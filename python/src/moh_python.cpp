@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <memory>
@@ -486,9 +487,15 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
   py::object routing_obj = py::none(), out_obj = py::none(), weights_obj = py::none();
   bool need_weights = false;
   int threads = 1;
+  static const std::vector<std::string> known = {
+      "key_padding_mask", "new_token_padding_mask", "query_padding_mask", "causal", "attn_bias",
+      "attention_weights", "need_weights", "grid", "mode", "position_offset", "routing", "threads",
+      "pool", "out"};
   for (auto item : kw) {
     const std::string key = item.first.cast<std::string>();
     const py::handle v = item.second;
+    if (std::find(known.begin(), known.end(), key) == known.end())
+      fail(name + ": unknown option '" + key + "': expected one of " + kCallOptions);
     if (key == "threads") {
       if (!v.is_none()) {
         const Index n = integer(v, name + ": threads");
@@ -532,10 +539,8 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
       if (!py::isinstance<moh::ThreadPool>(v))
         fail(name + ": pool: expected a moh.ThreadPool, got " + type_name(v));
       opts.pool = &v.cast<moh::ThreadPool&>();
-    } else if (key == "out") {
+    } else {  // "out"
       out_obj = py::reinterpret_borrow<py::object>(v);
-    } else {
-      fail(name + ": unknown option '" + key + "': expected one of " + kCallOptions);
     }
   }
   if (threads != 1 && opts.pool)

@@ -103,6 +103,8 @@ ERROR_CASES = [
     ("attn_bias_wrong_dtype", lambda c, p: c.moh(c.x, attn_bias=np.zeros((1, 1, 6, 6))),
      ["attn_bias", "float32", "float64"]),
     ("unknown_option", lambda c, p: c.moh(c.x, foo=1), ["unknown option 'foo'", "key_padding_mask"]),
+    ("unknown_option_none", lambda c, p: c.moh(c.x, key_padding=None),
+     ["unknown option 'key_padding'", "key_padding_mask"]),
     ("causal_bad_value", lambda c, p: c.moh(c.x, causal="maybe"), ["causal", "'maybe'", "'auto'"]),
     ("mode_bad_value", lambda c, p: c.moh(c.x, mode="fast"), ["mode", "'fast'", "'sparse'"]),
     ("threads_and_pool", lambda c, p: c.moh(c.x, threads=2, pool=moh.ThreadPool(2)),
