@@ -64,16 +64,11 @@ def topk_margin(p, k):
 
 
 def padding_mask(B, T, side="right"):
-    """[B, T] bool: sequence b pads min(b + 1, T - 1) tokens at its end (right) or start (left)."""
-    mask = np.zeros((B, T), dtype=bool)
-    for b in range(B):
-        n = min(b + 1, T - 1)
-        if n > 0:
-            if side == "left":
-                mask[b, :n] = True
-            else:
-                mask[b, T - n:] = True
-    return mask
+    """[B, T] bool: sequence b pads min(b + 1, T - 1) tokens at its end (right) or start (left),
+    as the golden-case exporter pads them."""
+    from exporters import _padding_mask  # tools/exporters.py (conftest puts tools/ on the path)
+
+    return _padding_mask(B, T, side).numpy()
 
 
 def random_attn_bias(rng, shape, holes=True):

@@ -18,6 +18,14 @@ sys.path.insert(0, os.path.join(os.environ.get("MOH_SOURCE_DIR", "."), "tools"))
 import moh_modules  # noqa: E402
 
 
+def _authors_router(ref, m):
+    """The authors' router attributes: shared_head, routed_head and the wg, wg_0, wg_1 they have."""
+    m.shared_head, m.routed_head = ref.shared_heads, ref.active_routed_heads
+    for name in ("wg", "wg_0", "wg_1"):
+        if getattr(ref, name) is not None:
+            setattr(m, name, getattr(ref, name))
+
+
 def _authors_dit(ref, qk_norm):
     """A module with the authors' MoH-DiT attribute names around ref's submodules."""
     m = nn.Module()
@@ -25,10 +33,7 @@ def _authors_dit(ref, qk_norm):
     m.qkv, m.proj = ref.qkv, ref.proj
     m.q_norm = ref.q_norm if qk_norm else nn.Identity()
     m.k_norm = ref.k_norm if qk_norm else nn.Identity()
-    m.shared_head, m.routed_head = ref.shared_heads, ref.active_routed_heads
-    for name in ("wg", "wg_0", "wg_1"):
-        if getattr(ref, name) is not None:
-            setattr(m, name, getattr(ref, name))
+    _authors_router(ref, m)
     return m
 
 
@@ -39,10 +44,7 @@ def _authors_vit(ref, grid):
     m.register_buffer("seq_length_scale", torch.as_tensor(np.log(grid[0] * grid[1])),
                       persistent=False)
     m.qkv, m.proj, m.cpb_fc1, m.cpb_fc2 = ref.qkv, ref.proj, ref.cpb_fc1, ref.cpb_fc2
-    m.shared_head, m.routed_head = ref.shared_heads, ref.active_routed_heads
-    for name in ("wg", "wg_0", "wg_1"):
-        if getattr(ref, name) is not None:
-            setattr(m, name, getattr(ref, name))
+    _authors_router(ref, m)
     return m
 
 
