@@ -407,6 +407,9 @@ TYPED_TEST(FamiliesTest, AMemoryCacheGivesTheBitsOfTheMemoryAndStaysAsItWas) {
     Tensor3<T> y1(1, 1, 12);
     EXPECT_TRUE(ErrorMentions([&] { layer.forward_cross(random_tensor<T>(1, 1, 12, 1), cache, y1); },
                               {"batch", "expected 1, got 2"}));
+    const moh::KvCache<T> own = layer.make_cache(2, 8);  // the layer's own tokens, not a memory
+    EXPECT_TRUE(ErrorMentions([&] { layer.forward_cross(random_tensor<T>(2, 1, 12, 1), own, y); },
+                              {"forward_cross", "make_memory_cache", "make_cache"}));
   };
   check(jet, memory7);
   check(moa, memory7);

@@ -189,6 +189,9 @@ class AttentionLayer {
   void forward_cross(const ConstTensorMap3<T>& x, const KvCache<T>& memory, TensorMap3<T> y,
                      const ForwardOptions& opts = {}, Routing* routing = nullptr) const {
     check_call(x, y, opts, Kind::Cross);
+    if (!memory.is_memory())
+      fail(Derived::kName, ": forward_cross: expected a memory cache (make_memory_cache), got a "
+           "cache of the layer's own tokens (make_cache), which forward_cached reads");
     KvCacheAccess::check(memory, x.dimension(0), shape_.Hkv, shape_.d, 0, Derived::kName);
     if (opts.key_padding_mask)
       fail(Derived::kName, ": key_padding_mask: a memory cache keeps the memory's padding from "
