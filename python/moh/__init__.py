@@ -14,7 +14,10 @@ Inputs are NumPy arrays or CPU torch tensors ``[B, T, D]``; a C-contiguous one o
 the input's type. Options of a call are keyword arguments: ``key_padding_mask``, ``causal``,
 ``attn_bias``, ``need_weights`` / ``attention_weights``, ``grid``, ``mode``, ``position_offset``,
 ``query_padding_mask``, ``new_token_padding_mask``, ``routing``, ``threads`` / ``pool``, ``out``.
-Every error is a ``moh.Error``, a ``ValueError`` carrying the C++ message.
+Every error of a call is a ``moh.Error``, a ``ValueError`` carrying the C++ message. Results carry
+no autograd graph: moh computes inference only. ``layer.config`` is a copy (changing it changes
+nothing); a KV cache or routing record is used by one call at a time (another thread's use while
+a call runs is an error), while a layer serves any number of threads at once.
 """
 
 from ._core import (  # noqa: F401  (the public API)
@@ -41,6 +44,21 @@ from ._core import (  # noqa: F401  (the public API)
     load_safetensors,
 )
 from .torch_interop import from_torch, state_dict_of  # noqa: F401
+
+
+def _register_fork_handler():
+    import os
+
+    # A child made by fork() (multiprocessing, DataLoader workers) has none of the threads of the
+    # pools behind threads=: it forgets them and makes its own. A moh.ThreadPool you made yourself
+    # is in the same state there: make pools after forking.
+    if hasattr(os, "register_at_fork"):
+        from . import _core
+
+        os.register_at_fork(after_in_child=_core._after_fork_in_child)
+
+
+_register_fork_handler()
 
 
 def save_safetensors(layer, path, prefix="", dtype="float32"):

@@ -72,23 +72,52 @@ def _kind_of(module, state):
         f"JetMoE attention, or kind= one of {', '.join(KINDS)} with its settings")
 
 
-def _numpy_state(module):
-    """{name: float32/float64 NumPy array} of the module's state dict (bfloat16 and float16
-    widened to float32), buffers of no weight (masks, caches) left out."""
+def _numpy_state(module, prefix=""):
+    """{name without prefix: float32/float64 NumPy array} of the module's state dict entries under
+    ``prefix`` (bfloat16 and float16 widened to float32; buffers of no weight, such as masks,
+    left out). Only those entries are converted: a whole model with a prefix is not copied."""
     import torch
 
     out = {}
     for name, t in module.state_dict().items():
-        if not torch.is_tensor(t) or not t.is_floating_point():
+        if not name.startswith(prefix) or not torch.is_tensor(t) or not t.is_floating_point():
             continue
         t = t.detach().cpu()
         if t.dtype not in (torch.float32, torch.float64):
             t = t.to(torch.float32)
-        out[name] = t.contiguous().numpy()
+        out[name[len(prefix):]] = t.contiguous().numpy()
     return out
 
 
+def _has_dropout(module):
+    """Whether any part of the module drops out (nn.Dropout with p > 0, MultiheadAttention's
+    dropout)."""
+    import torch
+
+    for m in module.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if isinstance(m, torch.nn.MultiheadAttention) and m.dropout > 0:
+            return True
+    return False
+
+
+def _required(value, kind, field, module):
+    if value is None:
+        raise _core.Error(
+            f"from_torch: a {kind} layer needs {field}, which the {type(module).__name__} does not "
+            f"carry: expected {field}=... among the settings, got none")
+    return value
+
+
 def _mha_settings(module):
+    import torch
+
+    if not isinstance(module, torch.nn.MultiheadAttention):
+        raise _core.Error(
+            f"from_torch: kind='mha' reads a torch.nn.MultiheadAttention's settings: expected one, "
+            f"got a {type(module).__name__} (give kind='moh_llama' with its settings for "
+            f"q_proj/k_proj/v_proj/o_proj tensors)")
     if not getattr(module, "_qkv_same_embed_dim", True):
         raise _core.Error(
             "from_torch: torch.nn.MultiheadAttention with kdim/vdim != embed_dim: expected one "
@@ -144,10 +173,13 @@ def _moh_vit_settings(module, state):
 
 
 def _moh_llama_settings(module, state):
-    s = {"embed_dim": int(_attr(module, "embed_dim", "hidden_size")),
-         "num_heads": int(_attr(module, "num_heads", "num_attention_heads")),
-         "router": _core.MoHRouterKind.QueryNorm, "rope": True,
-         "qkv_bias": False, "proj_bias": False}
+    s = {"router": _core.MoHRouterKind.QueryNorm, "rope": True,
+         "qkv_bias": "q_proj.bias" in state, "proj_bias": "o_proj.bias" in state}
+    for field, names in (("embed_dim", ("embed_dim", "hidden_size")),
+                         ("num_heads", ("num_heads", "num_attention_heads"))):
+        value = _attr(module, *names)
+        if value is not None:
+            s[field] = int(value)
     for field, names in (("head_dim", ("head_dim",)),
                          ("num_kv_heads", ("num_kv_heads", "num_key_value_heads")),
                          ("shared_heads", ("shared_heads", "shared_head")),
@@ -226,24 +258,30 @@ def from_torch(module, kind=None, dtype="float32", weight_storage=None, prefix="
     whole model with kind and settings given).
     settings: config fields (C++ names) that the module does not carry, or that override it.
     """
-    state = _numpy_state(module)
-    unprefixed = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    unprefixed = _numpy_state(module, prefix)
     if kind is None:
         kind = _kind_of(module, unprefixed)
     if kind not in KINDS:
         raise _core.Error(f"from_torch: kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     try:
         read = _SETTINGS[kind](module, unprefixed)
-    except KeyError as missing:
+    except KeyError as missing:  # a tensor the kind needs is not in the state dict
         raise _core.Error(f"from_torch: a {kind} layer's tensor {missing} is not in the "
                           f"state dict of the {type(module).__name__} (prefix {prefix!r})") from None
-    read.update(settings)
+    read.update(settings)  # explicit settings win over what was read off the module
+    if kind == "moh_llama":
+        for field in ("embed_dim", "num_heads"):
+            _required(read.get(field), kind, field, module)
+    if getattr(module, "training", False) and _has_dropout(module):
+        warnings.warn(
+            f"from_torch: the {type(module).__name__} is in training mode with dropout; moh "
+            "computes what eval() computes (no dropout)", stacklevel=2)
     if weight_storage is not None:
         read["weight_storage"] = weight_storage
     layer_class, config = _config(kind, read)
     config.validate()
     layer = layer_class(config, dtype=dtype)
-    layer.load_state_dict(state, prefix)
+    layer.load_state_dict(unprefixed)  # only this layer's tensors are copied
     return layer
 
 

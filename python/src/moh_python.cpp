@@ -5,8 +5,10 @@
 // is copied once (counted by input_copies()), another dtype is a ValueError. The result has the
 // type of x (a torch tensor for a torch x, sharing the NumPy result's memory). The GIL is
 // released while a layer computes, so Python threads can run layers at once; each call borrows a
-// moh::Workspace from the layer's own free list, so a warm call allocates nothing beyond its
-// result. moh::Error becomes ValueError (moh.Error, a subclass) with the same message.
+// moh::Workspace from the layer's own free list, so a warm call needs no new scratch for the
+// layer's work (its result, and a few small objects of the call, are still allocated). A KV
+// cache or routing record in use by a call is refused to every other call and accessor until
+// that call returns. moh::Error becomes ValueError (moh.Error, a subclass) with the same message.
 // The pure-Python parts (from_torch, the package's docs) are in python/moh/.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -14,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -35,6 +38,11 @@ namespace {
 using moh::Index;
 
 std::atomic<long long> g_input_copies{0};
+std::atomic<std::uintptr_t> g_last_input{0};  // data of the last call's x, for the zero-copy test
+
+bool aligned(const py::array& a) {
+  return (a.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_) != 0;
+}
 
 template <class T>
 const char* dtype_name() {
@@ -87,7 +95,8 @@ py::object numpy_to_torch(const py::object& a) {
 /// already is one; copied (and counted) when it has T but another layout; an error otherwise.
 template <class T>
 py::array_t<T, py::array::c_style> input_array(py::handle o, const std::string& what, int ndim,
-                                               bool* was_torch = nullptr) {
+                                               bool* was_torch = nullptr,
+                                               const char* axes = nullptr) {
   py::object obj = py::reinterpret_borrow<py::object>(o);
   if (is_torch_tensor(obj)) {
     obj = torch_to_numpy(obj, what);
@@ -101,10 +110,11 @@ py::array_t<T, py::array::c_style> input_array(py::handle o, const std::string& 
     fail(what + ": expected " + dtype_name<T>() + " values (the layer's dtype), got " +
          std::string(py::str(a.dtype())));
   if (a.ndim() != ndim)
-    fail(what + ": expected " + std::to_string(ndim) + " axes, got shape " + shape_of(a));
-  if (py::isinstance<py::array_t<T, py::array::c_style>>(a))
+    fail(what + ": expected " + std::to_string(ndim) + " axes" +
+         (axes ? std::string(" ") + axes : std::string()) + ", got shape " + shape_of(a));
+  if (py::isinstance<py::array_t<T, py::array::c_style>>(a) && aligned(a))
     return py::reinterpret_borrow<py::array_t<T, py::array::c_style>>(a);
-  ++g_input_copies;
+  ++g_input_copies;  // another layout, or not aligned for T: one copy
   return py::array_t<T, py::array::c_style>::ensure(a);
 }
 
@@ -118,7 +128,7 @@ py::array_t<bool, py::array::c_style> mask_array(py::handle o, const std::string
   if (!py::isinstance<py::array_t<bool>>(a))
     fail(what + ": expected bool values (True = padding), got " + std::string(py::str(a.dtype())));
   if (a.ndim() != 2) fail(what + ": expected 2 axes [batch, tokens], got shape " + shape_of(a));
-  if (py::isinstance<py::array_t<bool, py::array::c_style>>(a))
+  if (py::isinstance<py::array_t<bool, py::array::c_style>>(a) && aligned(a))
     return py::reinterpret_borrow<py::array_t<bool, py::array::c_style>>(a);
   ++g_input_copies;
   return py::array_t<bool, py::array::c_style>::ensure(a);
@@ -129,7 +139,12 @@ template <class T>
 py::array_t<T, py::array::c_style> output_array(py::handle o, const std::string& what,
                                                 const std::vector<Index>& shape) {
   py::object obj = py::reinterpret_borrow<py::object>(o);
-  if (is_torch_tensor(obj)) obj = torch_to_numpy(obj, what);
+  if (is_torch_tensor(obj)) {
+    if (obj.attr("requires_grad").cast<bool>())
+      fail(what + ": expected a tensor without requires_grad (moh writes it outside autograd), "
+           "got one that requires grad");
+    obj = torch_to_numpy(obj, what);
+  }
   std::ostringstream want;
   want << '[';
   for (std::size_t i = 0; i < shape.size(); ++i) want << (i ? ", " : "") << shape[i];
@@ -144,6 +159,7 @@ py::array_t<T, py::array::c_style> output_array(py::handle o, const std::string&
               : type_name(obj)));
   auto a = py::reinterpret_borrow<py::array_t<T, py::array::c_style>>(obj);
   if (!a.writeable()) fail(what + ": expected a writeable array, got a read-only one");
+  if (!aligned(a)) fail(what + ": expected an array aligned for " + dtype_name<T>() + ", got a misaligned one");
   bool same = a.ndim() == static_cast<py::ssize_t>(shape.size());
   for (std::size_t i = 0; same && i < shape.size(); ++i) same = a.shape(i) == shape[i];
   if (!same) fail(what + ": expected shape " + want.str() + ", got " + shape_of(a));
@@ -156,30 +172,88 @@ moh::ConstTensorMap3<T> map3(const py::array_t<T, py::array::c_style>& a) {
 }
 
 /// An integer option or field (a Python int, or anything with __index__ such as numpy.int64).
+bool is_bool(py::handle v) {  // True/False or numpy.bool_
+  return py::isinstance<py::bool_>(v) || type_name(v) == "bool_";
+}
+
 Index integer(py::handle v, const std::string& where) {
-  if (py::isinstance<py::bool_>(v) || !PyIndex_Check(v.ptr()))
+  if (is_bool(v) || !PyIndex_Check(v.ptr()))
     fail(where + ": expected an integer, got " + type_name(v));
-  return py::int_(py::reinterpret_borrow<py::object>(v)).cast<Index>();
+  const py::int_ i(py::reinterpret_borrow<py::object>(v));
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow != 0)
+    fail(where + ": expected an integer of at most 64 bits, got " + std::string(py::str(py::object(i))));
+  return static_cast<Index>(n);
 }
 
 bool flag(py::handle v, const std::string& where) {
-  if (!py::isinstance<py::bool_>(v)) fail(where + ": expected True or False, got " + type_name(v));
-  return v.cast<bool>();
+  if (!is_bool(v)) fail(where + ": expected True or False, got " + type_name(v));
+  return PyObject_IsTrue(v.ptr()) == 1;
+}
+
+double number(py::handle v, const std::string& where) {
+  if (is_bool(v) || !(PyFloat_Check(v.ptr()) || PyIndex_Check(v.ptr()) ||
+                      py::hasattr(v, "__float__")))
+    fail(where + ": expected a number, got " + type_name(v));
+  return py::float_(py::reinterpret_borrow<py::object>(v)).cast<double>();
+}
+
+/// A path argument: a str or an os.PathLike (pathlib.Path).
+std::string path_of(py::handle p, const char* where) {
+  if (!py::isinstance<py::str>(p) && !py::hasattr(p, "__fspath__"))
+    fail(std::string(where) + ": path: expected a str or os.PathLike, got " + type_name(p));
+  return py::module_::import("os").attr("fspath")(p).cast<std::string>();
 }
 
 // ---- thread pools -------------------------------------------------------------------------------
 
-/// The pool of `threads` threads (created on first use, kept for the process).
-moh::ThreadPool* shared_pool(int threads) {
-  static std::mutex mutex;
-  static std::map<int, std::unique_ptr<moh::ThreadPool>> pools;
-  if (threads < 1) fail("threads: expected >= 1, got " + std::to_string(threads));
-  if (threads == 1) return nullptr;
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto& p = pools[threads];
-  if (!p) p = std::make_unique<moh::ThreadPool>(threads);
+/// The pools of threads= calls, created on first use and kept for the process. A child process
+/// made by fork() has none of their threads: it forgets them (after_fork_in_child), leaking
+/// their memory rather than joining threads that do not exist there.
+struct SharedPools {
+  std::mutex mutex;
+  std::map<int, std::unique_ptr<moh::ThreadPool>> pools;
+};
+SharedPools* g_pools = new SharedPools;  // never destroyed: pools outlive every call
+
+void after_fork_in_child() {
+  for (auto& entry : g_pools->pools) entry.second.release();  // their threads are gone
+  g_pools = new SharedPools;  // the old mutex may have been held by a thread of the parent
+}
+
+constexpr Index kMaxThreads = 1024;
+
+/// The pool of `threads` threads for a call (null for 1: the calling thread).
+moh::ThreadPool* shared_pool(py::handle threads, const std::string& where) {
+  const Index n = integer(threads, where + ": threads");
+  if (n < 1 || n > kMaxThreads)
+    fail(where + ": threads: expected 1.." + std::to_string(kMaxThreads) + ", got " + std::to_string(n));
+  if (n == 1) return nullptr;
+  SharedPools& g = *g_pools;
+  const std::lock_guard<std::mutex> lock(g.mutex);
+  auto& p = g.pools[static_cast<int>(n)];
+  if (!p) p = std::make_unique<moh::ThreadPool>(static_cast<int>(n));
   return p.get();
 }
+
+/// Marks a cache or routing record as used by the running call (checked and set with the GIL
+/// held): every other call and accessor refuses it until the call returns.
+class InUse {
+ public:
+  InUse(bool& busy, const std::string& what) : busy_(busy) {
+    if (busy_)
+      fail(what + ": expected an object no other call is using, got one in use by a call on "
+           "another thread");
+    busy_ = true;
+  }
+  ~InUse() { busy_ = false; }
+  InUse(const InUse&) = delete;
+  InUse& operator=(const InUse&) = delete;
+
+ private:
+  bool& busy_;
+};
 
 // ---- routing records and caches -----------------------------------------------------------------
 
@@ -187,6 +261,13 @@ moh::ThreadPool* shared_pool(int threads) {
 template <template <class> class R>
 struct Routing {
   std::variant<R<float>, R<double>> record;
+  bool busy = false;  // a call is filling it
+  std::variant<R<float>, R<double>>& read(const char* what) {
+    if (busy)
+      fail(std::string(what) + ": expected a record no call is filling, got one a call on another "
+           "thread is filling");
+    return record;
+  }
   template <class T>
   R<T>& as() {
     if (!std::holds_alternative<R<T>>(record)) record = R<T>();
@@ -214,6 +295,7 @@ py::array vector_array(const V& v) {
 /// A KV cache (or memory cache) of either dtype, made by a layer of that dtype.
 struct PyKvCache {
   std::variant<moh::KvCache<float>, moh::KvCache<double>> cache;
+  bool busy = false;  // a call is reading or extending it
   template <class T>
   moh::KvCache<T>& as(const char* layer) {
     auto* c = std::get_if<moh::KvCache<T>>(&cache);
@@ -225,9 +307,23 @@ struct PyKvCache {
   }
   template <class F>
   decltype(auto) visit(F&& f) {
+    if (busy)
+      fail("KvCache: expected a cache no call is using, got one in use by a call on another "
+           "thread");
     return std::visit(std::forward<F>(f), cache);
   }
 };
+
+moh::CacheStorage cache_storage(py::handle v, const std::string& where) {
+  if (py::isinstance<moh::CacheStorage>(v)) return v.cast<moh::CacheStorage>();
+  if (py::isinstance<py::str>(v)) {
+    const std::string s = v.cast<std::string>();
+    if (s == "native") return moh::CacheStorage::Native;
+    if (s == "bfloat16") return moh::CacheStorage::BFloat16;
+  }
+  fail(where + ": storage: expected moh.CacheStorage.Native or .BFloat16 ('native', 'bfloat16'), "
+       "got " + std::string(py::repr(v)));
+}
 
 // ---- configs ------------------------------------------------------------------------------------
 
@@ -270,10 +366,7 @@ void set_field(C& c, const std::string& key, py::handle value) {
     } else if constexpr (std::is_integral<F>::value) {
       field = static_cast<F>(integer(value, where));
     } else {
-      if (py::isinstance<py::bool_>(value) ||
-          !(py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value)))
-        fail(where + ": expected a number, got " + type_name(value));
-      field = value.cast<F>();
+      field = static_cast<F>(number(value, where));
     }
   });
   if (!found)
@@ -329,9 +422,12 @@ py::class_<C> bind_config(py::module_& m, const char* name, const char* doc) {
     });
     return s + ")";
   });
-  cls.def("__eq__", [](const C& a, const C& b) {
-    return config_dict(a).attr("__eq__")(config_dict(b)).template cast<bool>();
-  });
+  cls.def(
+      "__eq__",
+      [](const C& a, const C& b) {
+        return config_dict(a).attr("__eq__")(config_dict(b)).template cast<bool>();
+      },
+      py::is_operator());
   cls.def(py::pickle([](const C& c) { return config_dict(c); },
                      [](const py::dict& d) {
                        C c;
@@ -360,7 +456,7 @@ class PyLayer {
       using Layer = typename decltype(tag)::type;
       if (zero) return std::make_shared<Layer>(c, moh::zero_weights);
       if (!seed.is_none()) {
-        const long long s = seed.cast<long long>();
+        const Index s = integer(seed, std::string(F32::kName) + ": seed");
         if (s < 0) fail(std::string(F32::kName) + ": seed: expected >= 0, got " + std::to_string(s));
         return std::make_shared<Layer>(c, static_cast<std::uint64_t>(s));
       }
@@ -419,8 +515,9 @@ class PyLayer {
   mutable std::vector<std::unique_ptr<moh::Workspace>> free_;
 
  public:
-  /// Calls hold it shared, weight changes exclusively; both only while the GIL is released (a
-  /// call reacquires the GIL after letting go of it, so the two locks never wait on each other).
+  /// Calls and weight reads hold it shared, weight changes exclusively, always with the GIL
+  /// released and let go of before the GIL is taken back, so no thread ever holds one while
+  /// waiting for the other.
   mutable std::shared_mutex weights_mutex;
 };
 
@@ -486,7 +583,7 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
   std::vector<py::object> keep;  // every array the options view, alive until the call returns
   py::object routing_obj = py::none(), out_obj = py::none(), weights_obj = py::none();
   bool need_weights = false;
-  int threads = 1;
+  py::object threads = py::int_(1);
   static const std::vector<std::string> known = {
       "key_padding_mask", "new_token_padding_mask", "query_padding_mask", "causal", "attn_bias",
       "attention_weights", "need_weights", "grid", "mode", "position_offset", "routing", "threads",
@@ -497,11 +594,7 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
     if (std::find(known.begin(), known.end(), key) == known.end())
       fail(name + ": unknown option '" + key + "': expected one of " + kCallOptions);
     if (key == "threads") {
-      if (!v.is_none()) {
-        const Index n = integer(v, name + ": threads");
-        if (n < 1 || n > 1024) fail(name + ": threads: expected 1..1024, got " + std::to_string(n));
-        threads = static_cast<int>(n);
-      }
+      if (!v.is_none()) threads = py::reinterpret_borrow<py::object>(v);
       continue;
     }
     if (v.is_none()) continue;  // an option given as None is the option left out
@@ -518,7 +611,7 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
     } else if (key == "mode") {
       opts.mode = parse_mode(v, name);
     } else if (key == "attn_bias") {
-      auto b = input_array<T>(v, name + ": attn_bias", 4);
+      auto b = input_array<T>(v, name + ": attn_bias", 4, nullptr, "[B or 1, H or 1, T, S]");
       opts.attn_bias = moh::Tensor4Ref<false>(b.data(), b.shape(0), b.shape(1), b.shape(2), b.shape(3));
       keep.push_back(std::move(b));
     } else if (key == "attention_weights") {
@@ -543,9 +636,9 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
       out_obj = py::reinterpret_borrow<py::object>(v);
     }
   }
-  if (threads != 1 && opts.pool)
-    fail(name + ": threads and pool: expected one of them, got both");
-  if (!opts.pool) opts.pool = shared_pool(threads);
+  moh::ThreadPool* pool = shared_pool(threads, name);
+  if (pool && opts.pool) fail(name + ": threads and pool: expected one of them, got both");
+  if (!opts.pool) opts.pool = pool;
 
   // The source of keys and values.
   py::array_t<T, py::array::c_style> mem;
@@ -555,7 +648,11 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
     mem = input_array<T>(source, name + ": memory", 3);
     keys = mem.shape(1);
   } else if (entry == Entry::CrossCache || entry == Entry::Cached) {
-    cache = &source.cast<PyKvCache&>().template as<T>(Layer::kName);
+    if (!py::isinstance<PyKvCache>(source))
+      fail(name + ": cache: expected a moh.KvCache, got " + type_name(source));
+    PyKvCache& c = source.cast<PyKvCache&>();
+    cache = &c.template as<T>(Layer::kName);
+    if (c.busy) fail(name + ": cache: expected a cache no other call is using, got one in use by a call on another thread");
     keys = cache->length() + (entry == Entry::Cached ? Tq : 0);
   }
 
@@ -578,24 +675,67 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
                         : output_array<T>(out_obj, name + ": out", {B, Tq, layer.embed_dim()});
 
   typename Layer::RoutingRecord* routing = nullptr;
+  bool* routing_busy = nullptr;
   if (!routing_obj.is_none()) {
     if constexpr (kIsMoH<Layer>) {
       if (!py::isinstance<PyMoHRouting>(routing_obj))
         fail(name + ": routing: expected a moh.MoHRouting, got " + type_name(routing_obj));
-      routing = &routing_obj.cast<PyMoHRouting&>().template as<T>();
+      PyMoHRouting& r = routing_obj.cast<PyMoHRouting&>();
+      r.read("routing");  // refuses a record another call is filling
+      routing = &r.template as<T>();
+      routing_busy = &r.busy;
     } else if constexpr (kIsMoA<Layer>) {
       if (!py::isinstance<PyMoARouting>(routing_obj))
         fail(name + ": routing: expected a moh.MoARouting, got " + type_name(routing_obj));
-      routing = &routing_obj.cast<PyMoARouting&>().template as<T>();
+      PyMoARouting& r = routing_obj.cast<PyMoARouting&>();
+      r.read("routing");
+      routing = &r.template as<T>();
+      routing_busy = &r.busy;
     } else {
       fail(name + ": routing: MultiHeadAttention routes nothing: expected no routing record, got " +
            type_name(routing_obj));
     }
   }
 
+  // What the call writes must not overlap what it reads (y may not alias x, SEMANTICS 0).
+  struct Span {
+    const char* what;
+    const void* data;
+    std::size_t bytes;
+  };
+  std::vector<Span> reads{{"x", xa.data(), static_cast<std::size_t>(xa.nbytes())}};
+  if (entry == Entry::Cross) reads.push_back({"memory", mem.data(), static_cast<std::size_t>(mem.nbytes())});
+  for (const py::object& k : keep) {
+    const py::array a = py::reinterpret_borrow<py::array>(k);
+    reads.push_back({"an option's array", a.data(), static_cast<std::size_t>(a.nbytes())});
+  }
+  auto overlap = [](const void* a, std::size_t na, const void* b, std::size_t nb) {
+    const auto* pa = static_cast<const char*>(a);
+    const auto* pb = static_cast<const char*>(b);
+    return na > 0 && nb > 0 && pa < pb + nb && pb < pa + na;
+  };
+  std::vector<Span> writes;
+  if (!out_obj.is_none()) writes.push_back({"out", y.data(), static_cast<std::size_t>(y.nbytes())});
+  if (!weights_obj.is_none())
+    writes.push_back({"attention_weights", weights.data(), static_cast<std::size_t>(weights.nbytes())});
+  for (const Span& w : writes) {
+    for (const Span& r : reads)
+      if (overlap(w.data, w.bytes, r.data, r.bytes))
+        fail(name + ": " + w.what + ": expected an array that shares no memory with what the call "
+             "reads, got one that overlaps " + r.what);
+    if (writes.size() == 2 && &w == &writes[0] && overlap(w.data, w.bytes, writes[1].data, writes[1].bytes))
+      fail(name + ": out and attention_weights: expected arrays that share no memory, got two "
+           "that overlap");
+  }
+  g_last_input = reinterpret_cast<std::uintptr_t>(xa.data());
+
   {
     typename Outer::Lease lease(outer);
     opts.workspace = lease.get();
+    // The cache and the record are this call's until it returns (set and cleared with the GIL).
+    std::optional<InUse> cache_use, routing_use;
+    if (cache) cache_use.emplace(source.cast<PyKvCache&>().busy, name + ": cache");
+    if (routing_busy) routing_use.emplace(*routing_busy, name + ": routing");
     const py::gil_scoped_release unlocked;
     const std::shared_lock<std::shared_mutex> reading(outer.weights_mutex);
     moh::TensorMap3<T> ym(y.mutable_data(), B, Tq, layer.embed_dim());
@@ -726,23 +866,28 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
       "or from a memory cache (make_memory_cache).");
   cls.def(
       "forward_cached",
-      [](const P& p, py::handle x, PyKvCache& cache, const py::kwargs& kw) {
-        return p.visit([&](const auto& l) { return call(p, l, Entry::Cached, x, py::cast(&cache), kw); });
+      [](const P& p, py::handle x, py::handle cache, const py::kwargs& kw) {
+        return p.visit([&](const auto& l) { return call(p, l, Entry::Cached, x, cache, kw); });
       },
       py::arg("x"), py::arg("cache"),
       "Incremental self-attention: x [B, T_new, D] continues each sequence of `cache` (causal by "
       "default); the new keys and values are appended.");
   cls.def(
       "make_cache",
-      [](const P& p, Index batch, Index capacity, moh::CacheStorage storage) {
+      [](const P& p, py::handle batch, py::handle capacity, py::handle storage) {
         return p.visit([&](const auto& l) {
-          return PyKvCache{l.make_cache(batch, capacity, storage)};
+          const std::string what = std::string(std::decay_t<decltype(l)>::kName) + ".make_cache";
+          return PyKvCache{l.make_cache(integer(batch, what + ": batch"),
+                                        integer(capacity, what + ": capacity"),
+                                        cache_storage(storage, what))};
         });
       },
-      py::arg("batch"), py::arg("capacity"), py::arg("storage") = moh::CacheStorage::Native);
+      py::arg("batch"), py::arg("capacity"), py::arg("storage") = moh::CacheStorage::Native,
+      "A cache for `batch` sequences of up to `capacity` tokens; storage moh.CacheStorage.Native "
+      "(the layer's dtype) or .BFloat16 (also 'native', 'bfloat16').");
   cls.def(
       "make_memory_cache",
-      [](const P& p, py::handle memory, py::object key_padding_mask, int threads) {
+      [](const P& p, py::handle memory, py::object key_padding_mask, py::handle threads) {
         return p.visit([&](const auto& l) {
           using T = typename std::decay_t<decltype(l)>::Scalar;
           const std::string what = std::string(std::decay_t<decltype(l)>::kName) + ".make_memory_cache";
@@ -753,7 +898,7 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
             mask = mask_array(key_padding_mask, what + ": key_padding_mask");
             opts.key_padding_mask = moh::MaskMap(mask.data(), mask.shape(0), mask.shape(1));
           }
-          opts.pool = shared_pool(threads);
+          opts.pool = shared_pool(threads, what);
           typename P::Lease lease(p);
           opts.workspace = lease.get();
           const py::gil_scoped_release unlocked;
@@ -797,8 +942,12 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
       [](const P& p, const std::string& wname) {
         return p.visit([&](const auto& l) {
           using T = typename std::decay_t<decltype(l)>::Scalar;
-          const std::shared_lock<std::shared_mutex> reading(p.weights_mutex);
-          const std::vector<T> v = l.weight(wname);
+          std::vector<T> v;
+          {
+            const py::gil_scoped_release unlocked;
+            const std::shared_lock<std::shared_mutex> reading(p.weights_mutex);
+            v = l.weight(wname);
+          }
           std::vector<std::int64_t> shape;
           for (const moh::WeightInfo& w : l.weight_infos())
             if (w.name == wname) shape = w.shape;
@@ -859,8 +1008,8 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
       "modules moh does not implement refused.");
   cls.def(
       "load_safetensors",
-      [](P& p, const std::string& path, const std::string& prefix) {
-        const Source src(path);
+      [](P& p, py::handle path, const std::string& prefix) {
+        const Source src(path_of(path, "load_safetensors"));
         const py::gil_scoped_release unlocked;
         const std::unique_lock<std::shared_mutex> writing(p.weights_mutex);
         p.visit_mut([&](auto& l) { moh::load_weights(l, *src, prefix); });
@@ -869,12 +1018,17 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
       "Loads the weights from a .safetensors file or a sharded checkpoint's .index.json.");
   cls.def(
       "save_safetensors",
-      [](const P& p, const std::string& path, const std::string& prefix, const std::string& dtype) {
+      [](const P& p, py::handle path, const std::string& prefix, const std::string& dtype) {
+        const std::string file = path_of(path, "save_safetensors");
+        const moh::DType type = file_dtype(dtype);
         p.visit([&](const auto& l) {
+          const py::gil_scoped_release unlocked;
           moh::SafeTensorsWriter w;
-          const std::shared_lock<std::shared_mutex> reading(p.weights_mutex);
-          moh::save_weights(w, l, prefix, file_dtype(dtype));
-          w.write(path);
+          {
+            const std::shared_lock<std::shared_mutex> reading(p.weights_mutex);
+            moh::save_weights(w, l, prefix, type);
+          }
+          w.write(file);
         });
       },
       py::arg("path"), py::arg("prefix") = "", py::arg("dtype") = "float32",
@@ -896,7 +1050,8 @@ py::object moh_position_bias(const moh::MoHAttention<T>& l, Index h, Index w) {
   return std::move(a);
 }
 
-py::object load_layer_file(const std::string& path, const std::string& prefix, const std::string& dtype) {
+py::object load_layer_file(py::handle path_arg, const std::string& prefix, const std::string& dtype) {
+  const std::string path = path_of(path_arg, "load_safetensors");
   const Source src(path);
   const std::string key = moh::config_key(prefix);
   if (!src->has_metadata(key))
@@ -996,7 +1151,7 @@ PYBIND11_MODULE(_core, m) {
         return std::holds_alternative<moh::KvCache<float>>(c.cache) ? "float32" : "float64";
       })
       .def("length", [](PyKvCache& c, py::object b) {
-             return c.visit([&](auto& k) { return b.is_none() ? k.length() : k.length(b.cast<Index>()); });
+             return c.visit([&](auto& k) { return b.is_none() ? k.length() : k.length(integer(b, "KvCache.length: b")); });
            }, py::arg("b") = py::none(), "Tokens held by sequence b, or the longest sequence's.")
       .def("lengths", [](PyKvCache& c) {
         return c.visit([](auto& k) {
@@ -1006,57 +1161,60 @@ PYBIND11_MODULE(_core, m) {
         });
       })
       .def("reset", [](PyKvCache& c, py::object b) {
-             c.visit([&](auto& k) { b.is_none() ? k.reset() : k.reset(b.cast<Index>()); });
+             c.visit([&](auto& k) { b.is_none() ? k.reset() : k.reset(integer(b, "KvCache.reset: b")); });
            }, py::arg("b") = py::none(), "Empties sequence b, or every sequence.")
-      .def("truncate", [](PyKvCache& c, Index a, py::object n) {
-             c.visit([&](auto& k) { n.is_none() ? k.truncate(a) : k.truncate(a, n.cast<Index>()); });
+      .def("truncate", [](PyKvCache& c, py::handle a, py::object n) {
+             c.visit([&](auto& k) {
+               const Index first = integer(a, "KvCache.truncate");
+               n.is_none() ? k.truncate(first) : k.truncate(first, integer(n, "KvCache.truncate: length"));
+             });
            }, py::arg("length_or_b"), py::arg("length") = py::none(),
            "truncate(n): every sequence cut back to at most n tokens; truncate(b, n): sequence b only.")
       .def("clone", [](PyKvCache& c) { return c.visit([](auto& k) { return PyKvCache{k.clone()}; }); });
 
   py::class_<PyMoHRouting>(m, "MoHRouting", "Which heads each token of a MoH call used (filled by forward).")
       .def(py::init<>())
-      .def_property_readonly("batch", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.batch; }, r.record); })
-      .def_property_readonly("tokens", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.tokens; }, r.record); })
-      .def_property_readonly("num_heads", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.num_heads; }, r.record); })
-      .def_property_readonly("shared_heads", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.shared_heads; }, r.record); })
-      .def_property_readonly("active_routed_heads", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.active_routed_heads; }, r.record); })
-      .def_property_readonly("gates", [](PyMoHRouting& r) { return std::visit([](auto& x) { return matrix_array(x.gates); }, r.record); },
+      .def_property_readonly("batch", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.batch; }, r.read("routing record")); })
+      .def_property_readonly("tokens", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.tokens; }, r.read("routing record")); })
+      .def_property_readonly("num_heads", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.num_heads; }, r.read("routing record")); })
+      .def_property_readonly("shared_heads", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.shared_heads; }, r.read("routing record")); })
+      .def_property_readonly("active_routed_heads", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.active_routed_heads; }, r.read("routing record")); })
+      .def_property_readonly("gates", [](PyMoHRouting& r) { return std::visit([](auto& x) { return matrix_array(x.gates); }, r.read("routing record")); },
                              "[B*T, H]: each head's output weight, exactly 0 for unused heads.")
-      .def_property_readonly("active", [](PyMoHRouting& r) { return std::visit([](auto& x) { return matrix_array(x.active); }, r.record); },
+      .def_property_readonly("active", [](PyMoHRouting& r) { return std::visit([](auto& x) { return matrix_array(x.active); }, r.read("routing record")); },
                              "[B*T, H] bool: the heads each token used.")
-      .def_property_readonly("routed_probs", [](PyMoHRouting& r) { return std::visit([](auto& x) { return matrix_array(x.routed_probs); }, r.record); },
+      .def_property_readonly("routed_probs", [](PyMoHRouting& r) { return std::visit([](auto& x) { return matrix_array(x.routed_probs); }, r.read("routing record")); },
                              "[B*T, H - shared_heads]: router probabilities before top-K.")
-      .def_property_readonly("head_counts", [](PyMoHRouting& r) { return std::visit([](auto& x) { return vector_array(x.head_counts); }, r.record); },
+      .def_property_readonly("head_counts", [](PyMoHRouting& r) { return std::visit([](auto& x) { return vector_array(x.head_counts); }, r.read("routing record")); },
                              "[H]: tokens that used each head.")
-      .def_property_readonly("load_balance_loss", [](PyMoHRouting& r) { return std::visit([](auto& x) { return static_cast<double>(x.load_balance_loss); }, r.record); })
-      .def("active_fraction", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.active_fraction(); }, r.record); })
+      .def_property_readonly("load_balance_loss", [](PyMoHRouting& r) { return std::visit([](auto& x) { return static_cast<double>(x.load_balance_loss); }, r.read("routing record")); })
+      .def("active_fraction", [](PyMoHRouting& r) { return std::visit([](auto& x) { return x.active_fraction(); }, r.read("routing record")); })
       .def("heads_of", [](PyMoHRouting& r, Index b, Index t) {
         return std::visit([&](auto& x) {
           if (b < 0 || b >= x.batch || t < 0 || t >= x.tokens)
             fail("MoHRouting.heads_of: expected b in [0, " + std::to_string(x.batch) + ") and t in [0, " +
                  std::to_string(x.tokens) + "), got (" + std::to_string(b) + ", " + std::to_string(t) + ")");
           return x.heads_of(b, t);
-        }, r.record);
+        }, r.read("routing record"));
       }, py::arg("b"), py::arg("t"));
 
   py::class_<PyMoARouting>(m, "MoARouting", "Which experts each token of a MoA call used (filled by forward).")
       .def(py::init<>())
-      .def_property_readonly("batch", [](PyMoARouting& r) { return std::visit([](auto& x) { return x.batch; }, r.record); })
-      .def_property_readonly("tokens", [](PyMoARouting& r) { return std::visit([](auto& x) { return x.tokens; }, r.record); })
-      .def_property_readonly("num_experts", [](PyMoARouting& r) { return std::visit([](auto& x) { return x.num_experts; }, r.record); })
-      .def_property_readonly("top_k", [](PyMoARouting& r) { return std::visit([](auto& x) { return x.top_k; }, r.record); })
-      .def_property_readonly("logits", [](PyMoARouting& r) { return std::visit([](auto& x) { return matrix_array(x.logits); }, r.record); })
-      .def_property_readonly("probs", [](PyMoARouting& r) { return std::visit([](auto& x) { return matrix_array(x.probs); }, r.record); })
-      .def_property_readonly("gates", [](PyMoARouting& r) { return std::visit([](auto& x) { return matrix_array(x.gates); }, r.record); },
+      .def_property_readonly("batch", [](PyMoARouting& r) { return std::visit([](auto& x) { return x.batch; }, r.read("routing record")); })
+      .def_property_readonly("tokens", [](PyMoARouting& r) { return std::visit([](auto& x) { return x.tokens; }, r.read("routing record")); })
+      .def_property_readonly("num_experts", [](PyMoARouting& r) { return std::visit([](auto& x) { return x.num_experts; }, r.read("routing record")); })
+      .def_property_readonly("top_k", [](PyMoARouting& r) { return std::visit([](auto& x) { return x.top_k; }, r.read("routing record")); })
+      .def_property_readonly("logits", [](PyMoARouting& r) { return std::visit([](auto& x) { return matrix_array(x.logits); }, r.read("routing record")); })
+      .def_property_readonly("probs", [](PyMoARouting& r) { return std::visit([](auto& x) { return matrix_array(x.probs); }, r.read("routing record")); })
+      .def_property_readonly("gates", [](PyMoARouting& r) { return std::visit([](auto& x) { return matrix_array(x.gates); }, r.read("routing record")); },
                              "[B*T, E]: gates of the kept experts, exactly 0 elsewhere.")
-      .def_property_readonly("selected", [](PyMoARouting& r) { return std::visit([](auto& x) { return matrix_array(x.selected); }, r.record); },
+      .def_property_readonly("selected", [](PyMoARouting& r) { return std::visit([](auto& x) { return matrix_array(x.selected); }, r.read("routing record")); },
                              "[B*T, k]: each slot's expert, -1 for a query padding token.")
-      .def_property_readonly("expert_counts", [](PyMoARouting& r) { return std::visit([](auto& x) { return vector_array(x.expert_counts); }, r.record); })
-      .def_property_readonly("switch_loss", [](PyMoARouting& r) { return std::visit([](auto& x) { return static_cast<double>(x.switch_loss); }, r.record); })
-      .def_property_readonly("z_loss", [](PyMoARouting& r) { return std::visit([](auto& x) { return static_cast<double>(x.z_loss); }, r.record); })
-      .def_property_readonly("cv_loss", [](PyMoARouting& r) { return std::visit([](auto& x) { return static_cast<double>(x.cv_loss); }, r.record); })
-      .def("active_fraction", [](PyMoARouting& r) { return std::visit([](auto& x) { return x.active_fraction(); }, r.record); });
+      .def_property_readonly("expert_counts", [](PyMoARouting& r) { return std::visit([](auto& x) { return vector_array(x.expert_counts); }, r.read("routing record")); })
+      .def_property_readonly("switch_loss", [](PyMoARouting& r) { return std::visit([](auto& x) { return static_cast<double>(x.switch_loss); }, r.read("routing record")); })
+      .def_property_readonly("z_loss", [](PyMoARouting& r) { return std::visit([](auto& x) { return static_cast<double>(x.z_loss); }, r.read("routing record")); })
+      .def_property_readonly("cv_loss", [](PyMoARouting& r) { return std::visit([](auto& x) { return static_cast<double>(x.cv_loss); }, r.read("routing record")); })
+      .def("active_fraction", [](PyMoARouting& r) { return std::visit([](auto& x) { return x.active_fraction(); }, r.read("routing record")); });
 
   bind_layer<moh::MultiHeadAttention>(m, "MultiHeadAttention",
                                       "Dense multi-head attention, as torch.nn.MultiheadAttention (GQA, RoPE).");
@@ -1073,6 +1231,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("load_safetensors", &load_layer_file, py::arg("path"), py::arg("prefix") = "",
         py::arg("dtype") = "float32",
         "The layer save_safetensors wrote: its kind and config from the file's metadata.");
+  m.def("_after_fork_in_child", &after_fork_in_child,
+        "Forgets the thread pools of threads= calls in a child made by fork (their threads do not "
+        "exist there); the package registers it with os.register_at_fork.");
+  m.def("_last_input_pointer", [] { return g_last_input.load(); },
+        "The address of the x the last call read (the zero-copy test compares it with the input's).");
   m.def("input_copies", [] { return g_input_copies.load(); },
         "How many inputs were copied so far because they were not C-contiguous arrays of the "
         "layer's dtype (the zero-copy check of the tests).");
