@@ -697,7 +697,7 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
     }
   }
 
-  // What the call writes must not overlap what it reads (y may not alias x, SEMANTICS 0).
+  // What the call writes must not overlap what it reads (the layers: y may not alias x).
   struct Span {
     const char* what;
     const void* data;
