@@ -41,10 +41,6 @@ def _attr(module, *names, default=None):
     return default
 
 
-def _has(state, *names):
-    return all(n in state for n in names)
-
-
 def _kind_of(module, state):
     """The moh layer kind of ``module``, from its class and tensor names."""
     cls = type(module).__name__

@@ -521,9 +521,14 @@ class PyLayer {
   mutable std::shared_mutex weights_mutex;
 };
 
-const char* const kCallOptions =
-    "key_padding_mask, new_token_padding_mask, query_padding_mask, causal, attn_bias, "
-    "attention_weights, need_weights, grid, mode, position_offset, routing, threads, pool, out";
+/// The keyword options of a call (ForwardOptions' fields, need_weights, routing, threads, out).
+const std::vector<std::string>& call_options() {
+  static const std::vector<std::string> names = {
+      "key_padding_mask", "new_token_padding_mask", "query_padding_mask", "causal", "attn_bias",
+      "attention_weights", "need_weights", "grid", "mode", "position_offset", "routing", "threads",
+      "pool", "out"};
+  return names;
+}
 
 moh::Causal parse_causal(py::handle v, const std::string& where) {
   if (v.is_none()) return moh::Causal::Auto;
@@ -584,15 +589,15 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
   py::object routing_obj = py::none(), out_obj = py::none(), weights_obj = py::none();
   bool need_weights = false;
   py::object threads = py::int_(1);
-  static const std::vector<std::string> known = {
-      "key_padding_mask", "new_token_padding_mask", "query_padding_mask", "causal", "attn_bias",
-      "attention_weights", "need_weights", "grid", "mode", "position_offset", "routing", "threads",
-      "pool", "out"};
   for (auto item : kw) {
     const std::string key = item.first.cast<std::string>();
     const py::handle v = item.second;
-    if (std::find(known.begin(), known.end(), key) == known.end())
-      fail(name + ": unknown option '" + key + "': expected one of " + kCallOptions);
+    const std::vector<std::string>& known = call_options();
+    if (std::find(known.begin(), known.end(), key) == known.end()) {
+      std::string list;
+      for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
+      fail(name + ": unknown option '" + key + "': expected one of " + list);
+    }
     if (key == "threads") {
       if (!v.is_none()) threads = py::reinterpret_borrow<py::object>(v);
       continue;
@@ -643,6 +648,9 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
   // The source of keys and values.
   py::array_t<T, py::array::c_style> mem;
   moh::KvCache<T>* cache = nullptr;
+  // A cache and a routing record are this call's from here until it returns (taken and given
+  // back with the GIL held): no other call or accessor reads them meanwhile.
+  std::optional<InUse> cache_use, routing_use;
   Index keys = Tq;
   if (entry == Entry::Cross) {
     mem = input_array<T>(source, name + ": memory", 3);
@@ -651,8 +659,8 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
     if (!py::isinstance<PyKvCache>(source))
       fail(name + ": cache: expected a moh.KvCache, got " + type_name(source));
     PyKvCache& c = source.cast<PyKvCache&>();
+    cache_use.emplace(c.busy, name + ": cache");
     cache = &c.template as<T>(Layer::kName);
-    if (c.busy) fail(name + ": cache: expected a cache no other call is using, got one in use by a call on another thread");
     keys = cache->length() + (entry == Entry::Cached ? Tq : 0);
   }
 
@@ -675,22 +683,19 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
                         : output_array<T>(out_obj, name + ": out", {B, Tq, layer.embed_dim()});
 
   typename Layer::RoutingRecord* routing = nullptr;
-  bool* routing_busy = nullptr;
   if (!routing_obj.is_none()) {
     if constexpr (kIsMoH<Layer>) {
       if (!py::isinstance<PyMoHRouting>(routing_obj))
         fail(name + ": routing: expected a moh.MoHRouting, got " + type_name(routing_obj));
       PyMoHRouting& r = routing_obj.cast<PyMoHRouting&>();
-      r.read("routing");  // refuses a record another call is filling
+      routing_use.emplace(r.busy, name + ": routing");
       routing = &r.template as<T>();
-      routing_busy = &r.busy;
     } else if constexpr (kIsMoA<Layer>) {
       if (!py::isinstance<PyMoARouting>(routing_obj))
         fail(name + ": routing: expected a moh.MoARouting, got " + type_name(routing_obj));
       PyMoARouting& r = routing_obj.cast<PyMoARouting&>();
-      r.read("routing");
+      routing_use.emplace(r.busy, name + ": routing");
       routing = &r.template as<T>();
-      routing_busy = &r.busy;
     } else {
       fail(name + ": routing: MultiHeadAttention routes nothing: expected no routing record, got " +
            type_name(routing_obj));
@@ -732,10 +737,6 @@ py::object call(const Outer& outer, const Layer& layer, Entry entry, py::handle 
   {
     typename Outer::Lease lease(outer);
     opts.workspace = lease.get();
-    // The cache and the record are this call's until it returns (set and cleared with the GIL).
-    std::optional<InUse> cache_use, routing_use;
-    if (cache) cache_use.emplace(source.cast<PyKvCache&>().busy, name + ": cache");
-    if (routing_busy) routing_use.emplace(*routing_busy, name + ": routing");
     const py::gil_scoped_release unlocked;
     const std::shared_lock<std::shared_mutex> reading(outer.weights_mutex);
     moh::TensorMap3<T> ym(y.mutable_data(), B, Tq, layer.embed_dim());
