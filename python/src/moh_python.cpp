@@ -1096,7 +1096,8 @@ PYBIND11_MODULE(_core, m) {
   // Enums: the C++ names; a config field also takes the name moh saves it under ("query_norm").
   py::enum_<moh::WeightStorage>(m, "WeightStorage")
       .value("Native", moh::WeightStorage::Native)
-      .value("BFloat16", moh::WeightStorage::BFloat16);
+      .value("BFloat16", moh::WeightStorage::BFloat16)
+      .value("NativePacked", moh::WeightStorage::NativePacked);
   py::enum_<moh::CacheStorage>(m, "CacheStorage")
       .value("Native", moh::CacheStorage::Native)
       .value("BFloat16", moh::CacheStorage::BFloat16);

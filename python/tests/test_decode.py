@@ -297,19 +297,35 @@ def test_bf16_weight_storage_from_torch(mm, rng):
     assert_close(decode(bf16, bf16.make_cache(2, 8), x, 2), got, 1e-5, "bf16 weights decode")
 
 
+def _config_maker(kind, embed_dim):
+    """(a function making a fresh config of `kind` with 4 heads or experts, the layer class)."""
+    if kind == "mha":
+        return (lambda: moh.MHAConfig(embed_dim=embed_dim, num_heads=4)), moh.MultiHeadAttention
+    if kind == "moh":
+        return (lambda: moh.MoHConfig(embed_dim=embed_dim, num_heads=4, shared_heads=1,
+                                      active_routed_heads=2)), moh.MoHAttention
+    return (lambda: moh.MoAConfig(embed_dim=embed_dim, num_experts=4, top_k=2,
+                                  head_dim=embed_dim // 4)), moh.MoAAttention
+
+
+@pytest.mark.parametrize("kind", ["mha", "moh", "moa"])
+def test_packed_weight_storage_gives_the_native_bits(rng, kind):
+    """weight_storage NativePacked (or 'native_packed'): more bytes, the same results."""
+    make, cls = _config_maker(kind, 64)
+    native_cfg, packed_cfg = make(), make()
+    packed_cfg.weight_storage = "native_packed"
+    assert packed_cfg.weight_storage == moh.WeightStorage.NativePacked
+    native, packed = cls(native_cfg, seed=7), cls(packed_cfg, seed=7)
+    assert packed.weight_bytes > native.weight_bytes
+    x = rng.standard_normal((2, 37, 64)).astype(np.float32)
+    np.testing.assert_array_equal(packed(x), native(x))
+    np.testing.assert_array_equal(packed(x, threads=2), native(x))
+
+
 @pytest.mark.parametrize("kind", ["mha", "moh", "moa"])
 def test_bf16_weight_storage_in_config(rng, kind):
     """config.weight_storage = BFloat16 (also as the string 'bfloat16'), seeded weights."""
-    if kind == "mha":
-        make = lambda: moh.MHAConfig(embed_dim=32, num_heads=4)  # noqa: E731
-        cls = moh.MultiHeadAttention
-    elif kind == "moh":
-        make = lambda: moh.MoHConfig(embed_dim=32, num_heads=4, shared_heads=1,  # noqa: E731
-                                     active_routed_heads=2)
-        cls = moh.MoHAttention
-    else:
-        make = lambda: moh.MoAConfig(embed_dim=32, num_experts=4, top_k=2, head_dim=8)  # noqa: E731
-        cls = moh.MoAAttention
+    make, cls = _config_maker(kind, 32)
     native_cfg, bf16_cfg = make(), make()
     bf16_cfg.weight_storage = moh.WeightStorage.BFloat16
     str_cfg = make()

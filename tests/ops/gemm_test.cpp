@@ -163,6 +163,84 @@ TEST(Gemm, EachElementIsOneChainWhateverTheTiling) {
   }
 }
 
+// W [rows, cols] in the packed layout of GemmB::packed, with panels of `nr` rows.
+std::vector<float> packed_layout(const Matrix<float>& W, Index nr) {
+  const Index panels = (W.rows() + nr - 1) / nr;
+  std::vector<float> p(static_cast<std::size_t>(panels * nr * W.cols()), 0.0f);
+  for (Index i = 0; i < W.rows(); ++i)
+    for (Index j = 0; j < W.cols(); ++j)
+      p[static_cast<std::size_t>((i / nr) * W.cols() * nr + j * nr + i % nr)] = W(i, j);
+  return p;
+}
+
+// A transposed operand that also carries its matrix packed is read from the packed panels where
+// its columns lie in one of them (a panel's rows from any offset in it, such as one head's d rows
+// at an odd head), and packed from `values` where they do not. The packed copy here holds 2 W,
+// so that the result shows which was read: 2 (A W^T) exactly, or A W^T.
+TEST(Gemm, ReadsPanelsStoredPackedInPlace) {
+  using S = GemmShape<float>;
+  Arena arena;
+  const Index rows = 3 * S::NR + 5, cols = S::KC + 40;  // a last panel of 5 rows, two depth blocks
+  const Matrix<float> W = moh_test::random_matrix<float>(rows, cols, 40);
+  const Matrix<float> W2 = 2.0f * W;
+  const std::vector<float> packed = packed_layout(W2, S::NR);
+  struct Case {
+    Index r0, c0, N;
+    bool in_place;
+  };
+  const Index half = S::NR / 2;
+  const Case cases[] = {{0, 0, rows, true},              // every panel, the last partial
+                        {half, 0, half, true},           // the second half of the first panel
+                        {S::NR + half, 7, S::L, true},   // one packet inside a panel, deeper k
+                        {S::NR, 0, 2 * S::NR + 5, true},
+                        {half, 0, S::NR, false},         // straddles two panels: packed per call
+                        {3, 0, S::NR - 3, true}};        // not on a packet: read in place too
+  for (const Case& c : cases)
+    for (Index M : {Index(1), Index(5), Index(S::MR), Index(2 * S::MR + 3), Index(49)})
+      for (bool accumulate : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "r0=" << c.r0 << " c0=" << c.c0 << " N=" << c.N
+                                        << " M=" << M << " accumulate=" << accumulate);
+        const Index K = cols - c.c0;
+        const Matrix<float> A = moh_test::random_matrix<float>(M, K, 41);
+        const Matrix<float> C0 = moh_test::random_matrix<float>(M, c.N, 42);
+        GemmB<float> B{W.data(), nullptr, cols, true};
+        B.packed = packed.data();
+        B.packed_nr = S::NR;
+        B.packed_cols = cols;
+        B = B.offset(c.c0, c.r0);
+        EXPECT_EQ(B.packed_row, c.r0);
+        EXPECT_EQ(B.packed_col, c.c0);
+        const Matrix<float>& read = c.in_place ? W2 : W;
+        Matrix<float> got = C0, want = C0;
+        moh::detail::gemm<float>(A.data(), K, B, got.data(), c.N, M, c.N, K, accumulate, arena);
+        moh::detail::gemm<float>(A.data(), K,
+                                 GemmB<float>{read.data() + c.r0 * cols + c.c0, nullptr, cols, true},
+                                 want.data(), c.N, M, c.N, K, accumulate, arena);
+        EXPECT_TRUE(BitEqual(got, want));
+      }
+}
+
+// Panels of whole packets narrower than NR / 2 (a head of d = 32 on AVX-512) run in tiles of
+// twice the rows; rows left over run in tiles of their own height. Each element is still the one
+// chain: a narrow product equals the same columns of a wide one, bit for bit, for every row
+// count around the tile heights.
+TEST(Gemm, NarrowPanelsOfWholePacketsGiveTheBitsOfWideOnes) {
+  using S = GemmShape<float>;
+  Arena arena;
+  const Index K = S::KC + 9, wide = 4 * S::NR;
+  for (Index n : {S::L, 2 * S::L})
+    for (Index M = 1; M <= 4 * S::MR + 1; ++M) {
+      SCOPED_TRACE(testing::Message() << "M=" << M << " n=" << n);
+      const Operands<float> op = random_operands<float>(M, wide, K, true, 43);
+      Matrix<float> all(M, wide), narrow(M, n);
+      moh::detail::gemm<float>(op.A.data(), K, op.b(), all.data(), wide, M, wide, K, false, arena);
+      const Index c0 = S::NR + S::L;  // a panel that starts one packet into a wide one
+      moh::detail::gemm<float>(op.A.data(), K, op.b().offset(0, c0), narrow.data(), n, M, n, K,
+                               false, arena);
+      EXPECT_TRUE(BitEqual(narrow, Matrix<float>(all.middleCols(c0, n))));
+    }
+}
+
 TEST(Gemm, BFloat16OperandEqualsTheWidenedValuesExactly) {
   Arena arena;
   for_shapes_and_layouts([&](Index M, Index N, Index K, bool transposed) {
@@ -281,6 +359,22 @@ TEST(RowsProduct, MatchesNaiveFromFloatAndBFloat16AndAccumulates) {
       }
 }
 
+// The last rows of W that do not fill a group of 8 are the same chains as in a whole group:
+// every count of rows gives each element the bits it has in a larger product.
+TEST(RowsProduct, AnElementDoesNotDependOnTheRowsOfWBesideIt) {
+  const Index n = 3, K = 301, most = 19;
+  const Matrix<float> A = moh_test::random_matrix<float>(n, K, 26);
+  const Matrix<float> W = moh_test::random_matrix<float>(most, K, 27);
+  Matrix<float> all(n, most);
+  moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, most, K, all.data(), most, false);
+  for (Index count = 1; count < most; ++count) {
+    Matrix<float> some(n, count);
+    moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, some.data(), count,
+                                     false);
+    EXPECT_TRUE(BitEqual(some, Matrix<float>(all.leftCols(count)))) << count << " rows of W";
+  }
+}
+
 TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
   const Index n = moh::detail::kFewRows, K = 333, count = 29;
   const Matrix<float> A = moh_test::random_matrix<float>(n, K, 16);
@@ -327,7 +421,7 @@ TEST(Multiply, EveryRouteMatchesNaiveInFloatAndDouble) {
 
 namespace {
 
-// The packs of B (and of A's last partial panel) come from the caller's arena: each call hands
+// The packs of B come from the caller's arena: each call hands
 // them back (nothing in use afterwards), a warm arena does not grow for the same or a smaller
 // shape, and what earlier calls left in it does not leak into a result (the zero padding of edge
 // panels is rewritten every time): a reused arena gives the bits of a fresh one.

@@ -175,6 +175,48 @@ TEST(WeightMatrix, NativeLinearIsBitwiseTheMatrixLinear) {
 
 // linear() on a WeightMatrix checks shapes in every build, like the Matrix form: X's columns
 // against W's, Y [N, out] and the bias [out]; Y is not written when they disagree.
+// NativePacked keeps the row-major matrix and adds the packed copy: values(), set_rows() and
+// every product see the same matrix, bit for bit, as Native storage, for row-major and column
+// panel storage, transposed operands from any row (a head's slice) and column, and any row count.
+TEST(WeightMatrix, PackedCopyGivesTheBitsOfNativeStorage) {
+  using S = moh::detail::GemmShape<float>;
+  const Index rows = 2 * S::NR + 40, cols = S::KC + 64;
+  const Matrix<float> w = moh_test::random_matrix<float>(rows, cols, 50);
+  const Matrix<float> part = moh_test::random_matrix<float>(9, cols, 51);
+  for (Index panel : {Index(0), Index(32)}) {
+    SCOPED_TRACE(testing::Message() << "panel=" << panel);
+    WeightMatrix<float> native(rows, cols, WeightStorage::Native, panel),
+        packed(rows, cols, WeightStorage::NativePacked, panel);
+    native.set(w);
+    packed.set(w);
+    native.set_rows(S::NR - 4, part);  // rows across a panel boundary of the packed copy
+    packed.set_rows(S::NR - 4, part);
+    EXPECT_EQ(packed.values(), native.values());
+    const std::size_t padded = static_cast<std::size_t>((rows + S::NR - 1) / S::NR * S::NR);
+    EXPECT_EQ(packed.bytes(), native.bytes() + padded * cols * sizeof(float));
+    EXPECT_EQ(packed.operand(0, 0, false).packed, nullptr);  // serves W^T only
+    moh::detail::Arena arena;
+    for (Index r0 : {Index(0), Index(32), Index(S::NR + 32), Index(rows - 16)})
+      for (Index c0 : {Index(0), Index(32)})
+        for (Index M : {Index(1), Index(4), Index(5), Index(16), Index(49)}) {
+          const Index N = std::min<Index>(rows - r0, 2 * S::NR), K = cols - c0;
+          for (Index n : {N, std::min<Index>(N, 32)}) {
+            SCOPED_TRACE(testing::Message() << "r0=" << r0 << " c0=" << c0 << " M=" << M
+                                            << " N=" << n);
+            const moh::detail::GemmB<float> b = packed.operand(r0, c0, true);
+            ASSERT_NE(b.packed, nullptr);
+            const Matrix<float> A = moh_test::random_matrix<float>(M, K, 52);
+            Matrix<float> got = Matrix<float>::Ones(M, n), want = got;
+            moh::detail::multiply<float>(A.data(), K, b, got.data(), n, M, n, K, true, arena);
+            moh::detail::multiply<float>(A.data(), K, native.operand(r0, c0, true), want.data(), n,
+                                         M, n, K, true, arena);
+            EXPECT_TRUE(BitEqual(got, want));
+          }
+        }
+  }
+  EXPECT_STREQ(moh::enum_name(WeightStorage::NativePacked), "native_packed");
+}
+
 TEST(WeightMatrix, LinearRejectsWrongShapes) {
   const Matrix<float> X = moh_test::random_matrix<float>(5, 7, 21);
   const Matrix<float> X6 = moh_test::random_matrix<float>(5, 6, 22);
@@ -314,6 +356,90 @@ TEST(BFloat16Layers, MoAWithWideExpertBlocks) {
   dense.mode = moh::ComputeMode::Dense;
   const moh::Tensor3<float> y = layer(x);
   EXPECT_LE(max_diff(layer(x, dense), y), 2e-5 * moh_test::scale_of(moh_test::rows_of(y)));
+}
+
+// ---- layers with a packed copy of their weights ---------------------------------------------
+
+// A layer with WeightStorage::NativePacked computes the bits of the same layer with Native
+// storage on every path: the sparse and the dense path, causal or not, on one thread or a pool,
+// and decoding through a cache; it holds more weight bytes (the copy; MoA's [in, out] experts,
+// which the copy does not serve, have none), and reports the storage.
+template <class Layer, class Config>
+void check_packed_layer(Config config, const char* what, moh::ForwardOptions base = {}) {
+  SCOPED_TRACE(what);
+  Config packed_config = config;
+  config.weight_storage = WeightStorage::Native;
+  packed_config.weight_storage = WeightStorage::NativePacked;
+  const Layer native(config, 13), packed(packed_config, 13);
+  EXPECT_GT(packed.weight_bytes(), native.weight_bytes());
+  EXPECT_EQ(packed.config().weight_storage, WeightStorage::NativePacked);
+  moh::ThreadPool pool(2);
+  const Index T = base.grid_h > 0 ? base.grid_h * base.grid_w : 21;
+  const moh::Tensor3<float> x = moh_test::random_tensor<float>(2, T, config.embed_dim, 14);
+  for (bool causal : {false, true})
+    for (moh::ComputeMode mode : Layer::kHasModes
+                                     ? std::vector<moh::ComputeMode>{moh::ComputeMode::Sparse,
+                                                                     moh::ComputeMode::Dense}
+                                     : std::vector<moh::ComputeMode>{moh::ComputeMode::Auto})
+      for (moh::ThreadPool* p : {static_cast<moh::ThreadPool*>(nullptr), &pool}) {
+        if (causal && base.grid_h > 0) continue;  // MoH-ViT: image tokens, no causal order
+        SCOPED_TRACE(testing::Message() << "causal=" << causal << " mode=" << static_cast<int>(mode)
+                                        << " pool=" << (p != nullptr));
+        moh::ForwardOptions o = base;
+        o.causal = causal ? moh::Causal::On : moh::Causal::Off;
+        o.mode = mode;
+        o.pool = p;
+        EXPECT_TRUE(BitEqual(packed(x, o), native(x, o)));
+      }
+  if (base.grid_h > 0) return;
+  moh::ForwardOptions o;
+  moh::KvCache<float> a = native.make_cache(2, T), b = packed.make_cache(2, T);
+  for (Index t = 0; t < T; t += 5) {  // a prompt of 5 tokens, then chunks of 5
+    const Index n = std::min<Index>(5, T - t);
+    const Eigen::array<Index, 3> off{0, t, 0}, ext{2, n, config.embed_dim};
+    const moh::Tensor3<float> xs = x.slice(off, ext);
+    moh::Tensor3<float> ya(2, n, config.embed_dim), yb(2, n, config.embed_dim);
+    native.forward_cached(xs, ya, a, o);
+    packed.forward_cached(xs, yb, b, o);
+    EXPECT_TRUE(BitEqual(yb, ya)) << "decode from token " << t;
+  }
+}
+
+TEST(PackedLayers, MultiHeadAttention) {
+  const moh::MHAConfig c = moh_test::mha_config(256, 8, /*kv_heads=*/2, /*head_dim=*/0,
+                                                /*bias=*/true, /*rope=*/true);
+  check_packed_layer<moh::MultiHeadAttention<float>>(c, "MHA, GQA, RoPE");
+}
+
+TEST(PackedLayers, MoHLearnedRouterWithHeadsOfOddOffsets) {
+  // heads of 24 and 32: slices that start inside a packed panel of the copy
+  for (Index d : {Index(24), Index(32)}) {
+    const moh::MoHConfig c = moh_test::moh_config(8 * d, 8, /*shared=*/2, /*routed_k=*/3,
+                                                  moh::MoHRouterKind::Learned, /*kv_heads=*/0,
+                                                  /*head_dim=*/d);
+    check_packed_layer<moh::MoHAttention<float>>(c, d == 24 ? "MoH d=24" : "MoH d=32");
+  }
+}
+
+TEST(PackedLayers, MoHQueryNormRouter) {
+  const moh::MoHConfig c = moh_test::moh_config(128, 8, /*shared=*/1, /*routed_k=*/4,
+                                                moh::MoHRouterKind::QueryNorm, /*kv_heads=*/4,
+                                                /*head_dim=*/0, /*bias=*/false, /*rope=*/true);
+  check_packed_layer<moh::MoHAttention<float>>(c, "MoH query norm");
+}
+
+TEST(PackedLayers, MoHViTCosineAttentionOnAGrid) {
+  moh::ForwardOptions o;
+  o.grid_h = o.grid_w = 7;
+  check_packed_layer<moh::MoHAttention<float>>(moh::MoHConfig::vit(192, 6, 2, 2, 7, 7), "MoH-ViT",
+                                               o);
+}
+
+TEST(PackedLayers, MoAAndJetMoE) {
+  check_packed_layer<moh::MoAAttention<float>>(
+      moh_test::moa_config(96, /*head_dim=*/32, /*experts=*/6, /*top_k=*/2), "MoA");
+  check_packed_layer<moh::MoAAttention<float>>(moh::MoAConfig::jetmoe(128, 2, 4, 2, 32),
+                                               "JetMoE");
 }
 
 }  // namespace

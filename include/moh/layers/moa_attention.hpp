@@ -133,10 +133,12 @@ class MoAAttention : public detail::AttentionLayer<MoAAttention<T>, T, MoARoutin
   explicit MoAAttention(const MoAConfig& config)
       : Base(shape_of(config), weight_infos(config)), config_(config) {
     const Index D = config.embed_dim, w = width(), E = config.num_experts;
-    q_experts_ = WeightMatrix<T>(E * D, w, config.weight_storage);
+    // The experts are read untransposed ([in, out]), which a packed copy does not serve.
+    const WeightStorage experts = without_packed_copy(config.weight_storage);
+    q_experts_ = WeightMatrix<T>(E * D, w, experts);
     // In column panels of the routed output stage's width: each (panel, expert) slice is
     // contiguous, so the stage streams the weights it reads.
-    out_experts_ = WeightMatrix<T>(E * w, D, config.weight_storage, detail::kRoutedColumnTile);
+    out_experts_ = WeightMatrix<T>(E * w, D, experts, detail::kRoutedColumnTile);
     gate_.setZero(D, E);
     kv_ = WeightMatrix<T>(2 * w, config.memory_dim(), config.weight_storage);
     if (config.bias) bias_.setZero(D);

@@ -3,9 +3,12 @@
 // [N, K] matrix (torch.nn.Linear's layout, so Y = X W^T needs no copy of W).
 //
 // Blocking: B is packed per (KC x NC) block into panels of NR columns (bfloat16 is widened to T
-// while packing, so it costs nothing extra); A is read in place, MR rows at a time; a micro-kernel
-// keeps an MR x NR tile of C in vector registers over KC. The packs come from the arena the
-// caller passes (its thread's, in a Workspace), so nothing is allocated once warm.
+// while packing, so it costs nothing extra), unless the weights are stored packed already
+// (WeightStorage::NativePacked), whose panels are read in place; A is read in place, MR rows at a
+// time (2 MR for panels of at most NP / 2 packets, the last M % MR rows in a tile of their own
+// height); a micro-kernel keeps an MR x NR tile of C in vector registers over KC. The packs come
+// from the arena the caller passes (its thread's, in a Workspace), so nothing is allocated once
+// warm.
 //
 // In gemm() and small_product(), every element of C is one chain of multiply-adds (fused where
 // the target has FMA) over k = 0 .. K-1 in order, starting from C (accumulate) or zero, whatever
@@ -40,6 +43,8 @@ namespace detail {
 /// A transposed B may also be stored in panels of depth: k runs of `panel_depth` (a weight matrix
 /// kept in column panels, one per head), the run that holds k at `panel_stride` elements from the
 /// previous one; src then points at element (k = 0, n = 0), `panel_k` deep into its run.
+/// A transposed B may also come with its matrix already in gemm()'s panel layout (`packed`, see
+/// packed_panel()); gemm() then reads those panels instead of packing them.
 template <class T>
 struct GemmB {
   const T* values = nullptr;
@@ -50,11 +55,20 @@ struct GemmB {
   Index panel_depth = 0;  // transposed only: 0 = one run over all of k
   Index panel_stride = 0;
   Index panel_k = 0;
+  // The whole W[rows, cols] in panels of nr rows: element (i, j) at
+  // packed[(i / nr) * cols * nr + j * nr + i % nr], rows past the last zero; B(k, n) is
+  // W(packed_row + n, packed_col + k). Null: not stored so.
+  const T* packed = nullptr;
+  Index packed_nr = 0, packed_cols = 0, packed_row = 0, packed_col = 0;
 
   /// The same matrix without its first `k` rows and `n` columns.
   GemmB offset(Index k, Index n) const {
     GemmB b = *this;
     if (!transposed && reach > 0) b.reach = std::max<Index>(0, reach - k);
+    if (packed != nullptr) {
+      b.packed_row += n;
+      b.packed_col += k;
+    }
     Index at = transposed ? n * ld + k : k * ld + n;
     if (transposed && panel_depth > 0) {
       const Index deep = panel_k + k;  // from the start of the current run
@@ -66,6 +80,14 @@ struct GemmB {
     else
       b.bf16 += at;
     return b;
+  }
+  /// B[k, n .. n + w) for k >= 0 as rows of a panel at stride packed_nr, read in place: null
+  /// unless B is stored packed and those w columns lie in one of its panels.
+  const T* packed_panel(Index n, Index w) const {
+    if (packed == nullptr) return nullptr;
+    const Index row = packed_row + n, at = row % packed_nr;
+    if (at + w > packed_nr) return nullptr;
+    return packed + (row / packed_nr) * packed_cols * packed_nr + packed_col * packed_nr + at;
   }
   /// How many k from the first on lie in one run of storage (all of them without panels).
   Index run(Index depth) const {
@@ -295,9 +317,12 @@ void small_product(const T* A, Index lda, const Src* B, Index ldb, Index rows, I
 }
 
 /// dst[k * ldd + j] = src[j * lds + k] for j < rows, k < cols: a transposing copy in square
-/// blocks of one packet, transposed in registers. Src is T or bfloat16.
+/// blocks of one packet, transposed in registers. Src is T or bfloat16. Out of line: inlined into
+/// gemm(), GCC 12 warns about the uninitialised temporaries of its own AVX-512 headers
+/// (avx512fintrin.h's `__m512 __Y = __Y;` in Eigen's ptranspose) in consumers' -Wall builds.
 template <class T, class Src>
-void pack_transposed(const Src* src, Index lds, Index rows, Index cols, T* dst, Index ldd) {
+EIGEN_DONT_INLINE void pack_transposed(const Src* src, Index lds, Index rows, Index cols, T* dst,
+                                       Index ldd) {
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   Index j = 0;
@@ -356,26 +381,47 @@ void pack_b_panel(const GemmB<T>& b, Index kc, Index w, Index NR, T* panel) {
 }
 
 /// tile_kernel for an edge tile: only the first `np` (<= NP) packets of columns, so a narrow
-/// edge (a router's few columns) does not pay for a whole panel.
-template <class T, int MR, int NP>
-inline void edge_kernel(Index np, const T* A, Index a_row, Index a_k, const T* Bp, Index NR,
-                        Index kc, T* C, Index ldc) {
+/// edge (a router's few columns) does not pay for a whole panel. Out of line, as rows_kernel:
+/// inlined, the dozens of kernels made gemm() itself slower: 1.7-2.5x on [16 x 768] x
+/// [768 x 32] products, 1.2-1.4x on [49 x 768] x [768 x 256] (the same program built both
+/// ways, three alternating rounds).
+template <class T, int MR, int NP, bool kPrefetch = false>
+EIGEN_DONT_INLINE void edge_kernel(Index np, const T* A, Index a_row, Index a_k, const T* Bp,
+                                   Index NR, Index kc, T* C, Index ldc, bool accumulate,
+                                   const T* pf = nullptr, Index pf_rows = 0) {
   if constexpr (NP > 1) {
     if (np < NP) {
-      edge_kernel<T, MR, NP - 1>(np, A, a_row, a_k, Bp, NR, kc, C, ldc);
+      edge_kernel<T, MR, NP - 1, kPrefetch>(np, A, a_row, a_k, Bp, NR, kc, C, ldc, accumulate,
+                                            pf, pf_rows);
       return;
     }
   }
-  tile_kernel<T, MR, NP>(A, a_row, a_k, Bp, NR, kc, C, ldc, true);
+  tile_kernel<T, MR, NP, T, kPrefetch>(A, a_row, a_k, Bp, NR, kc, C, ldc, accumulate, pf, pf_rows);
 }
 
-/// C[M, N] (+)= A[M, K] B on this thread; A and C row-major at strides lda, ldc. Packs B and
-/// tiles; see multiply() for few rows.
+/// edge_kernel for the first `rows` (1 .. MR) rows of A, read in place at stride lda: a tile of
+/// exactly those rows, not MR rows of which some are padding.
+template <class T, int MR, int NP>
+EIGEN_DONT_INLINE void rows_kernel(Index rows, Index np, const T* A, Index lda, const T* Bp,
+                                   Index NR, Index kc, T* C, Index ldc, bool accumulate) {
+  if constexpr (MR > 1) {
+    if (rows < MR) {
+      rows_kernel<T, MR - 1, NP>(rows, np, A, lda, Bp, NR, kc, C, ldc, accumulate);
+      return;
+    }
+  }
+  edge_kernel<T, MR, NP>(np, A, lda, 1, Bp, NR, kc, C, ldc, accumulate);
+}
+
+/// C[M, N] (+)= A[M, K] B on this thread; A and C row-major at strides lda, ldc. Packs B (or
+/// reads the panels of a B stored packed with this target's NR) and tiles; see multiply() for
+/// few rows.
 template <class T>
 void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N, Index K,
           bool accumulate, Arena& arena) {
   using S = GemmShape<T>;
   constexpr Index MR = S::MR, NR = S::NR, KC = S::KC, MC = S::MC, NC = S::NC;
+  static_assert(S::NP % 2 == 0 && MC % (2 * MR) == 0, "narrow panels run tiles of 2 MR rows");
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
     if (!accumulate)
@@ -388,46 +434,98 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
   // buffers, MoH at the ViT shape measured 3% slower (interleaved A/B), as the panel's rows met
   // the rows of A and C in the same cache sets.
   Arena::Scope scope(arena);
+  const bool prepacked = B.transposed && B.packed != nullptr && B.packed_nr == NR;
   T* bp = arena.allocate<T>(kc_max * nc_max, Arena::kPageBytes);
-  T* ap = arena.allocate<T>(kc_max * MR, Arena::kPageBytes);
-  alignas(64) T edge[MR * NR] = {};
+  // An edge tile's C: up to 2 MR rows at stride NR. Not cleared here (a call with few rows
+  // would spend more on that than on its product): each use writes the lanes its kernel reads.
+  alignas(64) T edge[2 * MR * NR];
+  const T* panels[NC / NR];  // the block's panels: packed here or read in place
+  // edge[r, j] = C[r, j] (or 0) for j < w, 0 for the rest of the np packets a kernel reads.
+  auto start_edge = [&](T* e, const T* c, Index h, Index w, Index np, bool acc) {
+    for (Index r = 0; r < h; ++r) {
+      for (Index j = 0; j < w; ++j) e[r * NR + j] = acc ? c[r * ldc + j] : T(0);
+      std::fill(e + r * NR + w, e + r * NR + np * S::L, T(0));
+    }
+  };
 
   for (Index j0 = 0; j0 < N; j0 += NC) {
     const Index nc = std::min(NC, N - j0);
     for (Index k0 = 0; k0 < K; k0 += KC) {
       const Index kc = std::min(KC, K - k0);
       const bool acc = accumulate || k0 > 0;
-      for (Index jp = 0; jp < nc; jp += NR)
-        pack_b_panel<T>(B.offset(k0, j0 + jp), kc, std::min(NR, nc - jp), NR, bp + jp * kc);
-      // A is read in place (measured faster than packing it here), except the last MR rows
-      // when M is not a whole number of panels: those are packed [kc, MR], zero padded.
-      const Index tail = M % MR;
-      if (tail != 0) {
-        pack_transposed<T>(A + (M - tail) * lda + k0, lda, tail, kc, ap, MR);
-        for (Index k = 0; k < kc; ++k) std::fill(ap + k * MR + tail, ap + (k + 1) * MR, T(0));
+      for (Index jp = 0; jp < nc; jp += NR) {
+        const GemmB<T> block = B.offset(k0, j0 + jp);
+        const Index w = std::min(NR, nc - jp);
+        panels[jp / NR] = prepacked ? block.packed_panel(0, w) : nullptr;
+        if (panels[jp / NR] == nullptr) {
+          pack_b_panel<T>(block, kc, w, NR, bp + jp * kc);
+          panels[jp / NR] = bp + jp * kc;
+        }
       }
+      // A is read in place (measured faster than packing it here); the last M % MR rows are
+      // a tile of their own height.
+      const Index tail = M % MR;
       for (Index i0 = 0; i0 < M; i0 += MC) {
         const Index mc = std::min(MC, M - i0);
         for (Index jp = 0; jp < nc; jp += NR) {
           const Index w = std::min(NR, nc - jp);
-          const T* b = bp + jp * kc;
+          const T* b = panels[jp / NR];
+          const Index np = (w + S::L - 1) / S::L;
+          // A panel read in place comes from L3 or memory, not from the pack just written: the
+          // first row tile over it prefetches kPrefetchRows rows ahead of the one it multiplies
+          // (into the panel's next block: its rows follow in storage).
+          const bool fetch = i0 == 0 && b != bp + jp * kc && K - k0 > kPrefetchRows;
+          const T* pf = fetch ? b + kPrefetchRows * NR : nullptr;
+          const Index pf_rows = fetch ? std::min(kc, K - k0 - kPrefetchRows) : 0;
+          const Index full = std::min(mc, M - tail - i0);  // rows in whole tiles of MR
           for (Index ip = 0; ip < mc; ip += MR) {
             const Index h = std::min(MR, mc - ip);
             const T* a = A + (i0 + ip) * lda + k0;
             T* c = C + (i0 + ip) * ldc + j0 + jp;
-            if (h == MR && w == NR) {
-              tile_kernel<T, S::MR, S::NP>(a, lda, 1, b, NR, kc, c, ldc, acc);
+            if (2 * np <= S::NP && ip + 2 * MR <= full) {
+              // A narrow panel (a head's d columns, a router's few): tiles of twice the rows in
+              // the same registers, so that each load of B feeds twice the multiply-adds and
+              // enough independent chains hide the multiply-add latency. Columns that are not
+              // whole packets go through `edge`, started from C's values.
+              const bool whole = w % S::L == 0;
+              if (!whole) start_edge(edge, c, 2 * MR, w, np, acc);
+              T* out = whole ? c : edge;
+              const Index ld_out = whole ? ldc : NR;
+              const bool from = whole ? acc : true;
+              if (ip == 0 && pf_rows > 0)
+                edge_kernel<T, 2 * S::MR, S::NP / 2, true>(np, a, lda, 1, b, NR, kc, out, ld_out,
+                                                           from, pf, pf_rows);
+              else
+                edge_kernel<T, 2 * S::MR, S::NP / 2>(np, a, lda, 1, b, NR, kc, out, ld_out, from);
+              if (!whole)
+                for (Index r = 0; r < 2 * MR; ++r)
+                  for (Index j = 0; j < w; ++j) c[r * ldc + j] = edge[r * NR + j];
+              ip += MR;
               continue;
             }
-            // Edge tile: through a full-size tile that starts from C's values, so each element
-            // is the same chain as in a whole tile.
-            for (Index r = 0; r < h; ++r)
-              for (Index j = 0; j < w; ++j) edge[r * NR + j] = acc ? c[r * ldc + j] : T(0);
-            const Index np = (w + S::L - 1) / S::L;
-            if (h == MR)
-              edge_kernel<T, S::MR, S::NP>(np, a, lda, 1, b, NR, kc, edge, NR);
-            else
-              edge_kernel<T, S::MR, S::NP>(np, ap, 1, MR, b, NR, kc, edge, NR);
+            if (h == MR && w == NR) {
+              if (ip == 0 && pf_rows > 0)
+                tile_kernel<T, S::MR, S::NP, T, true>(a, lda, 1, b, NR, kc, c, ldc, acc, pf,
+                                                      pf_rows);
+              else
+                tile_kernel<T, S::MR, S::NP>(a, lda, 1, b, NR, kc, c, ldc, acc);
+              continue;
+            }
+            if (h == MR && w % S::L == 0 && ip == 0 && pf_rows > 0) {
+              edge_kernel<T, S::MR, S::NP, true>(np, a, lda, 1, b, NR, kc, c, ldc, acc, pf,
+                                                 pf_rows);
+              continue;
+            }
+            // Edge tile (fewer rows than MR, or fewer columns than a panel): a tile of its
+            // rows and packets, in place when its columns are whole packets (a head's d), else
+            // through `edge`, started from C's values; each element is the same chain as in a
+            // whole tile.
+            if (w % S::L == 0) {
+              rows_kernel<T, S::MR, S::NP>(h, np, a, lda, b, NR, kc, c, ldc, acc);
+              continue;
+            }
+            start_edge(edge, c, h, w, np, acc);
+            rows_kernel<T, S::MR, S::NP>(h, np, a, lda, b, NR, kc, edge, NR, true);
             for (Index r = 0; r < h; ++r)
               for (Index j = 0; j < w; ++j) c[r * ldc + j] = edge[r * NR + j];
           }
@@ -475,11 +573,12 @@ void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index
           for (Index jj = 0; jj < kGroup; ++jj)
             acc[jj] = Eigen::internal::pmadd(av, load_packet<T>(W + (j0 + jj) * ldw + k), acc[jj]);
         }
-      } else {
-        for (Index jj = 0; jj < g; ++jj)
-          for (Index k = 0; k < whole; k += L)
-            acc[jj] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(a + k),
-                                             load_packet<T>(W + (j0 + jj) * ldw + k), acc[jj]);
+      } else {  // the last g < kGroup rows of W: their chains interleaved, as above
+        for (Index k = 0; k < whole; k += L) {
+          const P av = Eigen::internal::ploadu<P>(a + k);
+          for (Index jj = 0; jj < g; ++jj)
+            acc[jj] = Eigen::internal::pmadd(av, load_packet<T>(W + (j0 + jj) * ldw + k), acc[jj]);
+        }
       }
       for (Index jj = 0; jj < g; ++jj) {
         const Src* w = W + (j0 + jj) * ldw;

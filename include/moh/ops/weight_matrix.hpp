@@ -25,18 +25,32 @@ namespace moh {
 enum class WeightStorage {
   Native,    // in T, exactly as set
   BFloat16,  // rounded to bfloat16 (8-bit mantissa): half the memory of float
+  // In T as Native, and a second copy in the GEMM's panel layout, which the products of many
+  // rows read in place instead of packing the weights on every call: twice the memory, for the
+  // same bits. Worth it where calls have few tokens against large weights (MoH-ViT's 7 x 7
+  // stage: packing took a sixth of MHA's time there, over a quarter of MoH-ViT's at 50 %
+  // heads); a decode step reads the first copy.
+  NativePacked,
 };
 
 template <>
 struct EnumNames<WeightStorage> {
-  static constexpr const char* names[] = {"native", "bfloat16"};
+  static constexpr const char* names[] = {"native", "bfloat16", "native_packed"};
 };
+
+/// `s` without the packed copy: for matrices that are only read untransposed ([in, out] experts),
+/// which the packed copy does not serve.
+inline WeightStorage without_packed_copy(WeightStorage s) {
+  return s == WeightStorage::NativePacked ? WeightStorage::Native : s;
+}
 
 /// A weight matrix W[rows, cols]. By default it is stored row-major. With a `panel` width it is
 /// stored in column panels: columns [j0, j0 + w) (w = panel, less for the last) are one
 /// row-major [rows, w] block, and the blocks follow one another. A routed layer that multiplies
 /// one column panel of many experts' rows at a time then reads each expert's slice as one
 /// contiguous run, which the hardware prefetcher streams, rather than rows a page apart.
+/// WeightStorage::NativePacked adds a copy of W in gemm()'s panels of B = W^T (see GemmB), used
+/// by transposed operands.
 template <class T>
 class WeightMatrix {
  public:
@@ -48,10 +62,12 @@ class WeightMatrix {
     detail::require(rows >= 0 && cols >= 0 && panel >= 0, "WeightMatrix: sizes must be >= 0: ",
                     "expected rows, cols, panel >= 0, got ", rows, ", ", cols, ", ", panel);
     // Zeroed, in huge pages where the system allows (a decode step streams all of it).
-    if (storage_ == WeightStorage::Native)
+    if (storage_ != WeightStorage::BFloat16)
       native_ = LargeBuffer<T>(static_cast<std::size_t>(rows * cols));
     else
       bf16_ = LargeBuffer<std::uint16_t>(static_cast<std::size_t>(rows * cols));
+    if (storage_ == WeightStorage::NativePacked)
+      packed_ = LargeBuffer<T>(static_cast<std::size_t>(packed_rows() * cols));
   }
 
   Index rows() const { return rows_; }
@@ -61,7 +77,7 @@ class WeightMatrix {
   WeightStorage storage() const { return storage_; }
   /// Bytes the weights occupy.
   std::size_t bytes() const {
-    return storage_ == WeightStorage::Native ? native_.size() * sizeof(T) : bf16_.size() * 2;
+    return (native_.size() + packed_.size()) * sizeof(T) + bf16_.size() * 2;
   }
 
   /// The whole matrix in T, row-major (a copy; exact for bfloat16 storage).
@@ -69,7 +85,7 @@ class WeightMatrix {
     Matrix<T> out(rows_, cols_);
     for (Index j0 = 0; j0 < cols_; j0 += panel_) {
       const Index w = width(j0);
-      if (storage_ == WeightStorage::Native)
+      if (storage_ != WeightStorage::BFloat16)
         out.middleCols(j0, w) = Eigen::Map<const Matrix<T>>(native_.data() + rows_ * j0, rows_, w);
       else
         widen(bf16_.data() + rows_ * j0, w, rows_, w, out.data() + j0, cols_);
@@ -83,9 +99,17 @@ class WeightMatrix {
       detail::fail("WeightMatrix::set_rows: expected at most ", rows_ - std::max<Index>(first, 0),
                    " rows of ", cols_, " columns from row ", first, " of a [", rows_, ", ", cols_,
                    "] matrix, got [", w.rows(), ", ", w.cols(), "]");
+    if (packed_.size() != 0) {
+      constexpr Index nr = detail::GemmShape<T>::NR;
+      for (Index i = 0; i < w.rows(); ++i) {
+        const Index r = first + i;
+        T* p = packed_.data() + (r / nr) * cols_ * nr + r % nr;
+        for (Index j = 0; j < cols_; ++j) p[j * nr] = w(i, j);
+      }
+    }
     for (Index j0 = 0; j0 < cols_; j0 += panel_) {
       const Index pw = width(j0), at = rows_ * j0 + first * pw;
-      if (storage_ == WeightStorage::Native) {
+      if (storage_ != WeightStorage::BFloat16) {
         Eigen::Map<Matrix<T>>(native_.data() + at, w.rows(), pw) = w.middleCols(j0, pw);
         continue;
       }
@@ -124,10 +148,17 @@ class WeightMatrix {
       b.panel_stride = rows_ * panel_;
       b.panel_k = c0 - j0;
     }
-    if (storage_ == WeightStorage::Native)
+    if (storage_ != WeightStorage::BFloat16)
       b.values = native_.data() + at;
     else
       b.bf16 = bf16_.data() + at;
+    if (transposed && packed_.size() != 0) {
+      b.packed = packed_.data();
+      b.packed_nr = detail::GemmShape<T>::NR;
+      b.packed_cols = cols_;
+      b.packed_row = r0;
+      b.packed_col = c0;
+    }
     return b;
   }
 
@@ -153,10 +184,16 @@ class WeightMatrix {
 
   // Columns of the panel that starts at column j0.
   Index width(Index j0) const { return std::min(panel_, cols_ - j0); }
+  // Rows of the packed copy: whole panels of GemmShape<T>::NR.
+  Index packed_rows() const {
+    constexpr Index nr = detail::GemmShape<T>::NR;
+    return (rows_ + nr - 1) / nr * nr;
+  }
 
   Index rows_ = 0, cols_ = 0, panel_ = 0;
   WeightStorage storage_ = WeightStorage::Native;
-  LargeBuffer<T> native_;              // rows * cols when Native, in the layout above
+  LargeBuffer<T> native_;              // rows * cols unless BFloat16, in the layout above
+  LargeBuffer<T> packed_;              // packed_rows() * cols when NativePacked
   LargeBuffer<std::uint16_t> bf16_;    // rows * cols when BFloat16, in the layout above
 };
 
