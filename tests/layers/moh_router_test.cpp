@@ -363,4 +363,29 @@ TYPED_TEST(MoHRouterTest, LayerQueryNormRoutesOnPreRopeQueries) {
   }
 }
 
+// The learned router's logits are dot products per token (detail::project_dots), so a token's
+// gates and probabilities are the same bits whether it is routed with many others (a prefill),
+// alone (a decode step) or on any number of threads: decode routes as the full forward did.
+TEST(MoHTwoStageRouterBits, ATokenRoutesTheSameAloneAsInABatch) {
+  const Index D = 200, H = 12, S = 3, K = 4, T = 37;
+  MoHTwoStageRouter<float> router(D, H, S, K);
+  router.routed_weight() = random_matrix<float>(H - S, D, 61);
+  router.shared_weight() = random_matrix<float>(S, D, 62);
+  router.mix_weight() = random_matrix<float>(2, D, 63);
+  const Matrix<float> X = random_matrix<float>(T, D, 64);
+  MoHRouting<float> all, threaded;
+  router.route(X, 1, T, all);
+  moh::ThreadPool pool(3);
+  router.route(X, 1, T, threaded, &pool);
+  EXPECT_TRUE(moh_test::BitEqual(threaded.gates, all.gates));
+  EXPECT_TRUE(moh_test::BitEqual(threaded.routed_probs, all.routed_probs));
+  for (Index t = 0; t < T; ++t) {
+    MoHRouting<float> one;
+    router.route(X.middleRows(t, 1), 1, 1, one);
+    EXPECT_TRUE(moh_test::BitEqual(one.gates, Matrix<float>(all.gates.row(t)))) << "token " << t;
+    EXPECT_TRUE(moh_test::BitEqual(one.routed_probs, Matrix<float>(all.routed_probs.row(t))))
+        << "token " << t;
+  }
+}
+
 }  // namespace

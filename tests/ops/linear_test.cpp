@@ -219,6 +219,34 @@ TEST(Linear, WrongShapesThrowAndLeaveYAlone) {
 }
 
 // Zero rows is a valid shape (nothing to write); zero inputs gives the bias alone.
+// project_dots (a router's logits) matches the naive product and gives each row the bits of that
+// row alone, on any number of threads.
+TEST(ProjectDots, MatchesNaiveAndEachRowStandsAlone) {
+  const Index N = 150, D = 97, out = 11;  // more rows than one block of 64, odd sizes
+  const Matrix<float> X = moh_test::random_matrix<float>(N, D, 71);
+  const Matrix<float> W = moh_test::random_matrix<float>(out, D, 72);
+  moh::ThreadPool pool(3);
+  moh::Workspace ws;
+  Matrix<float> one_thread(N, out), threads(N, out);
+  {
+    const moh::detail::WorkspaceLease lease(&ws, nullptr, "test");
+    moh::detail::project_dots<float>(X, W, one_thread, lease.exec());
+  }
+  {
+    const moh::detail::WorkspaceLease lease(&ws, &pool, "test");
+    moh::detail::project_dots<float>(X, W, threads, lease.exec());
+  }
+  EXPECT_TRUE(moh_test::BitEqual(threads, one_thread));
+  const Matrix<double> want = X.cast<double>() * W.cast<double>().transpose();
+  EXPECT_LE(moh_test::max_abs_diff(one_thread, want), 1e-6 * (D + 2));
+  for (Index r : {Index(0), Index(63), Index(64), N - 1}) {
+    Matrix<float> row(1, out);
+    const moh::detail::WorkspaceLease lease(&ws, nullptr, "test");
+    moh::detail::project_dots<float>(X.middleRows(r, 1), W, row, lease.exec());
+    EXPECT_TRUE(moh_test::BitEqual(row, Matrix<float>(one_thread.row(r)))) << "row " << r;
+  }
+}
+
 TEST(Linear, EmptyShapes) {
   const Matrix<float> W = moh_test::random_matrix<float>(4, 7, 51);
   const Vector<float> b = moh_test::random_vector<float>(4, 52);

@@ -176,9 +176,10 @@ class MoHTwoStageRouter {
     g.start();
     MatrixMap<T> lr = arena.matrix<T>(N, routed_.rows()), ls = arena.matrix<T>(N, shared_.rows()),
                  lm = arena.matrix<T>(N, mix_.rows());
-    if (routed_.size()) detail::project_matrix<T>(X, routed_, nullptr, lr, exec);
-    if (shared_.size()) detail::project_matrix<T>(X, shared_, nullptr, ls, exec);
-    if (mix_.size()) detail::project_matrix<T>(X, mix_, nullptr, lm, exec);
+    // A few outputs per token: dot products, not GEMM tiles of mostly padding.
+    if (routed_.size()) detail::project_dots<T>(X, routed_, lr, exec);
+    if (shared_.size()) detail::project_dots<T>(X, shared_, ls, exec);
+    if (mix_.size()) detail::project_dots<T>(X, mix_, lm, exec);
     Index* kept = arena.allocate<Index>(K_);
     for (Index i = 0; i < N; ++i) {
       T a_s = 1, a_r = 1;

@@ -67,6 +67,24 @@ void project_tiles(const ConstRowsRef<T>& X, Operand operand, const T* bias, Row
                        });
 }
 
+/// Y[N, out] = X[N, in] W[out, in]^T as dot products (rows_product(): each element sums in
+/// packets, then reduces), in blocks of rows on exec's threads. For weights of a few rows, such
+/// as a router's, which a GEMM tile would fill with padding (one product of 49 x 768 by 768 x 2
+/// took 20 us). An element depends on its row alone, so the split never changes it, and a decode
+/// step's few rows, which multiply() also gives to rows_product(), get the same bits.
+template <class T>
+void project_dots(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, RowsRef<T> Y,
+                  const Exec& exec) {
+  eigen_assert(X.cols() == W.cols() && Y.rows() == X.rows() && Y.cols() == W.rows());
+  constexpr Index kRows = 64;
+  parallel_for(exec.pool, (X.rows() + kRows - 1) / kRows, [&](std::int64_t t, int) {
+    const Index r0 = t * kRows, n = std::min(kRows, X.rows() - r0);
+    rows_product<T>(X.data() + r0 * X.outerStride(), X.outerStride(), n, W.data(),
+                    W.outerStride(), W.rows(), W.cols(), Y.data() + r0 * Y.outerStride(),
+                    Y.outerStride(), false);
+  });
+}
+
 /// Throws unless X [N, in], W [out, in], bias [out] (bias < 0: none) and Y [N, out] agree.
 inline void check_linear(Index x_rows, Index x_cols, Index w_rows, Index w_cols, Index bias,
                          Index y_rows, Index y_cols) {
