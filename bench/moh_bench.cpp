@@ -86,7 +86,6 @@ void BM_MHA_Prefill(benchmark::State& state) {
 void mha_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"batch", "tokens", "d_model", "heads"});
   for (const auto& s : kShapes) b->Args({s[0], s[1], s[2], s[3]});
-  b->Args({1, 49, 768, 24});  // MoH-ViT's stage 4 (BM_MoH_ViT_Prefill, moh_bench_families.cpp)
 }
 
 // ---------------------------------------------------------------------------------------------

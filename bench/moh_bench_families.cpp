@@ -6,10 +6,13 @@
 //       JetMoE-8B's attention (causal, RoPE, bias) and the dense layer with its number of active
 //       query heads: 2 experts x 16 heads = 32 heads of 128 over the same 16 kv heads.
 //   BM_MoH_ViT_Prefill/batch:1/tokens:49/d_model:768/heads:24/active_pct:P      (P = 50, 75, 100)
-//       against BM_MHA_Prefill/batch:1/tokens:49/d_model:768/heads:24 (moh_bench.cpp):
+//       against BM_MHA_Prefill/batch:1/tokens:49/d_model:768/heads:24:
 //       MoH-ViT's stage-4 attention (cosine attention with its position bias, 7 x 7 grid, heads
 //       of 32) and plain MHA of the same size. Keys and values stay dense, so at 50 % the FLOP
-//       ratio is 0.77, not 0.5.
+//       ratio is 0.77, not 0.5. Both layers store their weights WeightStorage::NativePacked
+//       (49 tokens against 768-wide weights: packing them on every call took a sixth of MHA's
+//       time and over a quarter of MoH-ViT's at 50 %); the same two rows with /weights:native
+//       appended store them Native.
 //   BM_MHA_Prefill/batch:1/tokens:2048/d_model:1024/heads:16/bias:per_head
 //       a [1, H, T, S] additive bias, against BM_MHA_Prefill/batch:1/tokens:2048/d_model:1024/
 //       heads:16 (moh_bench.cpp).
@@ -50,12 +53,12 @@ void BM_MHA_Prefill_Causal(benchmark::State& state) {
 // ---------------------------------------------------------------------------------------------
 // MoH-ViT's cosine attention on a 7 x 7 grid. Split rule: bench_common.hpp.
 // ---------------------------------------------------------------------------------------------
-void BM_MoH_ViT_Prefill(benchmark::State& state) {
-  const Index B = state.range(0), T = state.range(1), D = state.range(2), H = state.range(3),
-              pct = state.range(4);
+void run_moh_vit_prefill(benchmark::State& state, Index B, Index T, Index D, Index H, Index pct,
+                         moh::WeightStorage storage) {
   const Index grid = static_cast<Index>(std::llround(std::sqrt(static_cast<double>(T))));
   const moh_bench::HeadSplit split = moh_bench::moh_split(H, pct);
-  const moh::MoHConfig cfg = moh::MoHConfig::vit(D, H, split.shared, split.routed_k, grid, grid);
+  moh::MoHConfig cfg = moh::MoHConfig::vit(D, H, split.shared, split.routed_k, grid, grid);
+  cfg.weight_storage = storage;
   const moh::MoHAttention<float> layer(cfg, /*seed=*/42);
   moh::ForwardOptions o;
   o.grid_h = o.grid_w = grid;
@@ -67,7 +70,28 @@ void BM_MoH_ViT_Prefill(benchmark::State& state) {
   state.counters["shared_heads"] = static_cast<double>(split.shared);
   state.counters["routed_k"] = static_cast<double>(split.routed_k);
   state.SetLabel("cosine attention, position bias, grid " + std::to_string(grid) + "x" +
-                 std::to_string(grid));
+                 std::to_string(grid) + ", weights " + moh::enum_name(storage));
+}
+
+void BM_MoH_ViT_Prefill(benchmark::State& state, moh::WeightStorage storage) {
+  run_moh_vit_prefill(state, state.range(0), state.range(1), state.range(2), state.range(3),
+                      state.range(4), storage);
+}
+
+// The dense layer of MoH-ViT's size, with the same weight storage.
+void run_mha_vit_prefill(benchmark::State& state, Index B, Index T, Index D, Index H,
+                         moh::WeightStorage storage) {
+  moh::MHAConfig cfg = moh_bench::mha_config(D, H);
+  cfg.weight_storage = storage;
+  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(cfg, 42), B, T);
+  moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, H, D / H, false),
+                                static_cast<double>(B * T), 1.0);
+  state.SetLabel(std::string("weights ") + moh::enum_name(storage));
+}
+
+void BM_MHA_Prefill_ViT(benchmark::State& state, moh::WeightStorage storage) {
+  run_mha_vit_prefill(state, state.range(0), state.range(1), state.range(2), state.range(3),
+                      storage);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -93,9 +117,25 @@ const bool registered = [] {
   b->ArgNames({"batch", "tokens", "d_model", "heads", "kv_heads", "head_dim", "causal"})
       ->Args({1, 2048, 2048, 32, 16, 128, 1})
       ->Unit(benchmark::kMillisecond);
-  b = benchmark::RegisterBenchmark("BM_MoH_ViT_Prefill", BM_MoH_ViT_Prefill);
+  using moh::WeightStorage;
+  b = benchmark::RegisterBenchmark("BM_MHA_Prefill", BM_MHA_Prefill_ViT,
+                                   WeightStorage::NativePacked);
+  b->ArgNames({"batch", "tokens", "d_model", "heads"})->Args({1, 49, 768, 24});
+  b->Unit(benchmark::kMicrosecond);
+  b = benchmark::RegisterBenchmark("BM_MoH_ViT_Prefill", BM_MoH_ViT_Prefill,
+                                   WeightStorage::NativePacked);
   b->ArgNames({"batch", "tokens", "d_model", "heads", "active_pct"})->Unit(benchmark::kMicrosecond);
   for (Index p : {50, 75, 100}) b->Args({1, 49, 768, 24, p});
+  benchmark::RegisterBenchmark(
+      "BM_MHA_Prefill/batch:1/tokens:49/d_model:768/heads:24/weights:native",
+      [](benchmark::State& s) { run_mha_vit_prefill(s, 1, 49, 768, 24, WeightStorage::Native); })
+      ->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark(
+      "BM_MoH_ViT_Prefill/batch:1/tokens:49/d_model:768/heads:24/active_pct:50/weights:native",
+      [](benchmark::State& s) {
+        run_moh_vit_prefill(s, 1, 49, 768, 24, 50, WeightStorage::Native);
+      })
+      ->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark(
       "BM_MHA_Prefill/batch:1/tokens:2048/d_model:1024/heads:16/bias:per_head",
       [](benchmark::State& s) { BM_MHA_Prefill_Bias(s, 1, 2048, 1024, 16); })
