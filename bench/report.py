@@ -137,7 +137,10 @@ def shape_title(r):
 
 
 def prefill_section(runs, lines, plot_blocks):
-    mha = {(*shape_key(r), r.p("heads")): r for r in by_family(runs, "BM_MHA_Prefill")}
+    # Rows with another weight storage (".../weights:native", the companions of MoH-ViT's rows in
+    # families.md) would share a key with the row they accompany.
+    mha = {(*shape_key(r), r.p("heads")): r for r in by_family(runs, "BM_MHA_Prefill")
+           if r.p("weights") is None}
     moh = by_family(runs, "BM_MoH_Prefill")
     gemm = {(r.p("rows"), r.p("in")): r for r in by_family(runs, "BM_GEMM")}
     moh_gemm = {(r.p("rows"), r.p("in")): r for r in by_family(runs, "BM_MohGEMM")}

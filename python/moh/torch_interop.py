@@ -249,7 +249,8 @@ def from_torch(module, kind=None, dtype="float32", weight_storage=None, prefix="
 
     kind: one of ``KINDS`` (default: told from the module's class and tensor names).
     dtype: the moh layer's dtype, "float32" or "float64" (independent of the module's).
-    weight_storage: ``moh.WeightStorage.BFloat16`` stores the projections in bfloat16.
+    weight_storage: ``moh.WeightStorage.BFloat16`` stores the projections in bfloat16;
+        ``moh.WeightStorage.NativePacked`` adds a copy packed for the GEMM (short prefills).
     prefix: of the tensor names in the module's state dict ("blocks.3.attn." when passing a
     whole model with kind and settings given).
     settings: config fields (C++ names) that the module does not carry, or that override it.

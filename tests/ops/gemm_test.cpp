@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -163,10 +164,11 @@ TEST(Gemm, EachElementIsOneChainWhateverTheTiling) {
   }
 }
 
-// W [rows, cols] in the packed layout of GemmB::packed, with panels of `nr` rows.
+// W [rows, cols] in the packed layout of GemmB::packed, with panels of `nr` rows (and the nr
+// elements after the last panel that the layout asks for).
 std::vector<float> packed_layout(const Matrix<float>& W, Index nr) {
   const Index panels = (W.rows() + nr - 1) / nr;
-  std::vector<float> p(static_cast<std::size_t>(panels * nr * W.cols()), 0.0f);
+  std::vector<float> p(static_cast<std::size_t>(panels * nr * W.cols() + nr), 0.0f);
   for (Index i = 0; i < W.rows(); ++i)
     for (Index j = 0; j < W.cols(); ++j)
       p[static_cast<std::size_t>((i / nr) * W.cols() * nr + j * nr + i % nr)] = W(i, j);
@@ -219,6 +221,42 @@ TEST(Gemm, ReadsPanelsStoredPackedInPlace) {
         EXPECT_TRUE(BitEqual(got, want));
       }
 }
+
+#if defined(__FMA__)
+// Each element of gemm()'s C is one fused multiply-add chain over k in order, from C or zero:
+// the chain written out with std::fma gives the same bits, whatever computes the element (whole
+// tiles, tiles of 12 rows for narrow panels, tails of their own height, edge columns, panels
+// packed per call or read in place).
+TEST(Gemm, EachElementIsTheFusedChainOverKInOrder) {
+  using S = GemmShape<float>;
+  Arena arena;
+  const Index K = S::KC + 21;
+  for (Index M : {Index(1), Index(5), Index(6), Index(13), Index(49)})
+    for (Index N : {Index(2), S::L, 2 * S::L, S::NR, S::NR + 3})
+      for (bool accumulate : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " accumulate=" << accumulate);
+        const Operands<float> op = random_operands<float>(M, N, K, true, 44);
+        Matrix<float> want(M, N);
+        for (Index i = 0; i < M; ++i)
+          for (Index j = 0; j < N; ++j) {
+            float c = accumulate ? op.C0(i, j) : 0.0f;
+            for (Index k = 0; k < K; ++k) c = std::fma(op.A(i, k), op.Bs(j, k), c);
+            want(i, j) = c;
+          }
+        Matrix<float> packed_per_call = op.C0, in_place = op.C0;
+        moh::detail::gemm<float>(op.A.data(), K, op.b(), packed_per_call.data(), N, M, N, K,
+                                 accumulate, arena);
+        EXPECT_TRUE(BitEqual(packed_per_call, want));
+        const std::vector<float> packed = packed_layout(op.Bs, S::NR);
+        GemmB<float> B = op.b();
+        B.packed = packed.data();
+        B.packed_nr = S::NR;
+        B.packed_cols = K;
+        moh::detail::gemm<float>(op.A.data(), K, B, in_place.data(), N, M, N, K, accumulate, arena);
+        EXPECT_TRUE(BitEqual(in_place, want));
+      }
+}
+#endif
 
 // Panels of whole packets narrower than NR / 2 (a head of d = 32 on AVX-512) run in tiles of
 // twice the rows; rows left over run in tiles of their own height. Each element is still the one

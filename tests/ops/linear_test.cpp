@@ -218,7 +218,6 @@ TEST(Linear, WrongShapesThrowAndLeaveYAlone) {
   EXPECT_THROW(moh::linear<float>(X, Wshort, Y), std::invalid_argument);
 }
 
-// Zero rows is a valid shape (nothing to write); zero inputs gives the bias alone.
 // project_dots (a router's logits) matches the naive product and gives each row the bits of that
 // row alone, on any number of threads.
 TEST(ProjectDots, MatchesNaiveAndEachRowStandsAlone) {
@@ -247,6 +246,7 @@ TEST(ProjectDots, MatchesNaiveAndEachRowStandsAlone) {
   }
 }
 
+// Zero rows is a valid shape (nothing to write); zero inputs gives the bias alone.
 TEST(Linear, EmptyShapes) {
   const Matrix<float> W = moh_test::random_matrix<float>(4, 7, 51);
   const Vector<float> b = moh_test::random_vector<float>(4, 52);

@@ -173,19 +173,19 @@ TEST(WeightMatrix, NativeLinearIsBitwiseTheMatrixLinear) {
   }
 }
 
-// linear() on a WeightMatrix checks shapes in every build, like the Matrix form: X's columns
-// against W's, Y [N, out] and the bias [out]; Y is not written when they disagree.
 // NativePacked keeps the row-major matrix and adds the packed copy: values(), set_rows() and
 // every product see the same matrix, bit for bit, as Native storage, for row-major and column
 // panel storage, transposed operands from any row (a head's slice) and column, and any row count.
-TEST(WeightMatrix, PackedCopyGivesTheBitsOfNativeStorage) {
-  using S = moh::detail::GemmShape<float>;
+template <class T>
+void check_packed_copy() {
+  using S = moh::detail::GemmShape<T>;
+  constexpr Index L = S::L;
   const Index rows = 2 * S::NR + 40, cols = S::KC + 64;
-  const Matrix<float> w = moh_test::random_matrix<float>(rows, cols, 50);
-  const Matrix<float> part = moh_test::random_matrix<float>(9, cols, 51);
+  const Matrix<T> w = moh_test::random_matrix<T>(rows, cols, 50);
+  const Matrix<T> part = moh_test::random_matrix<T>(9, cols, 51);
   for (Index panel : {Index(0), Index(32)}) {
     SCOPED_TRACE(testing::Message() << "panel=" << panel);
-    WeightMatrix<float> native(rows, cols, WeightStorage::Native, panel),
+    WeightMatrix<T> native(rows, cols, WeightStorage::Native, panel),
         packed(rows, cols, WeightStorage::NativePacked, panel);
     native.set(w);
     packed.set(w);
@@ -193,30 +193,56 @@ TEST(WeightMatrix, PackedCopyGivesTheBitsOfNativeStorage) {
     packed.set_rows(S::NR - 4, part);
     EXPECT_EQ(packed.values(), native.values());
     const std::size_t padded = static_cast<std::size_t>((rows + S::NR - 1) / S::NR * S::NR);
-    EXPECT_EQ(packed.bytes(), native.bytes() + padded * cols * sizeof(float));
+    EXPECT_EQ(packed.bytes(), native.bytes() + (padded * cols + S::NR) * sizeof(T));
     EXPECT_EQ(packed.operand(0, 0, false).packed, nullptr);  // serves W^T only
     moh::detail::Arena arena;
-    for (Index r0 : {Index(0), Index(32), Index(S::NR + 32), Index(rows - 16)})
+    // Row offsets on a panel, half into one, a packet short of a panel's end (a head of one
+    // packet), and off the packets (the kernels then read lanes past the columns, down to the
+    // copy's last element: it must extend past its last panel).
+    for (Index r0 : {Index(0), S::NR / 2, S::NR + S::NR / 2, rows - 16, rows - L, rows - 3})
       for (Index c0 : {Index(0), Index(32)})
         for (Index M : {Index(1), Index(4), Index(5), Index(16), Index(49)}) {
           const Index N = std::min<Index>(rows - r0, 2 * S::NR), K = cols - c0;
-          for (Index n : {N, std::min<Index>(N, 32)}) {
+          for (Index n : {N, std::min<Index>(N, 32), std::min<Index>(N, 2)}) {
             SCOPED_TRACE(testing::Message() << "r0=" << r0 << " c0=" << c0 << " M=" << M
                                             << " N=" << n);
-            const moh::detail::GemmB<float> b = packed.operand(r0, c0, true);
+            const moh::detail::GemmB<T> b = packed.operand(r0, c0, true);
             ASSERT_NE(b.packed, nullptr);
-            const Matrix<float> A = moh_test::random_matrix<float>(M, K, 52);
-            Matrix<float> got = Matrix<float>::Ones(M, n), want = got;
-            moh::detail::multiply<float>(A.data(), K, b, got.data(), n, M, n, K, true, arena);
-            moh::detail::multiply<float>(A.data(), K, native.operand(r0, c0, true), want.data(), n,
-                                         M, n, K, true, arena);
+            const Matrix<T> A = moh_test::random_matrix<T>(M, K, 52);
+            Matrix<T> got = Matrix<T>::Ones(M, n), want = got;
+            moh::detail::multiply<T>(A.data(), K, b, got.data(), n, M, n, K, true, arena);
+            moh::detail::multiply<T>(A.data(), K, native.operand(r0, c0, true), want.data(), n, M,
+                                     n, K, true, arena);
             EXPECT_TRUE(BitEqual(got, want));
           }
         }
   }
+  // A matrix of one whole panel, read from a few rows before its end: the kernels' packets run
+  // past the copy's last row (AddressSanitizer reads the bounds of the allocation here).
+  WeightMatrix<T> native(S::NR, cols, WeightStorage::Native),
+      packed(S::NR, cols, WeightStorage::NativePacked);
+  native.set(w.topRows(S::NR));
+  packed.set(w.topRows(S::NR));
+  moh::detail::Arena arena;
+  for (Index n : {Index(2), Index(3)}) {
+    const Matrix<T> A = moh_test::random_matrix<T>(13, cols, 53);
+    Matrix<T> got(13, n), want(13, n);
+    moh::detail::multiply<T>(A.data(), cols, packed.operand(S::NR - n, 0, true), got.data(), n,
+                             13, n, cols, false, arena);
+    moh::detail::multiply<T>(A.data(), cols, native.operand(S::NR - n, 0, true), want.data(), n,
+                             13, n, cols, false, arena);
+    EXPECT_TRUE(BitEqual(got, want)) << "the last " << n << " rows";
+  }
+}
+
+TEST(WeightMatrix, PackedCopyGivesTheBitsOfNativeStorage) {
+  check_packed_copy<float>();
+  check_packed_copy<double>();
   EXPECT_STREQ(moh::enum_name(WeightStorage::NativePacked), "native_packed");
 }
 
+// linear() on a WeightMatrix checks shapes in every build, like the Matrix form: X's columns
+// against W's, Y [N, out] and the bias [out]; Y is not written when they disagree.
 TEST(WeightMatrix, LinearRejectsWrongShapes) {
   const Matrix<float> X = moh_test::random_matrix<float>(5, 7, 21);
   const Matrix<float> X6 = moh_test::random_matrix<float>(5, 6, 22);

@@ -28,7 +28,7 @@ struct AttentionConfig {
   Index num_kv_heads = 0;  // H_kv; 0 = num_heads (MHA, MoH), 1 (MoA)
   bool rope = false;       // rotary position embedding on queries and keys (SEMANTICS 4)
   double rope_theta = 10000.0;
-  WeightStorage weight_storage = WeightStorage::Native;  // projections in T or bfloat16
+  WeightStorage weight_storage = WeightStorage::Native;  // projections in T, bfloat16, T + packed
 
   /// Calls v(name, field) for each field, in the order a saved config lists them.
   template <class Self, class Visitor>

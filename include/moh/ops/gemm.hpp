@@ -14,9 +14,9 @@
 // the target has FMA) over k = 0 .. K-1 in order, starting from C (accumulate) or zero, whatever
 // the blocking, the edge handling or the thread that runs it: a row of C does not depend on which
 // other rows or columns are computed in the same call, and the two give the same bits.
-// rows_product() (up to kFewRows rows against W^T, the decode path) sums in packets and then
-// reduces, so its bits differ; multiply() picks it by shape alone, so results still never depend
-// on the thread count.
+// rows_product() (up to kFewRows rows against W^T in a decode step; any rows for the few outputs
+// of a router, project_dots() in linear.hpp) sums in packets and then reduces, so its bits
+// differ; multiply() picks it by shape alone, so results still never depend on the thread count.
 #pragma once
 
 #include <algorithm>
@@ -56,8 +56,9 @@ struct GemmB {
   Index panel_stride = 0;
   Index panel_k = 0;
   // The whole W[rows, cols] in panels of nr rows: element (i, j) at
-  // packed[(i / nr) * cols * nr + j * nr + i % nr], rows past the last zero; B(k, n) is
-  // W(packed_row + n, packed_col + k). Null: not stored so.
+  // packed[(i / nr) * cols * nr + j * nr + i % nr], rows past the last zero, and nr more
+  // elements after the last panel (a kernel reads whole packets from a panel's offset, into
+  // lanes it discards); B(k, n) is W(packed_row + n, packed_col + k). Null: not stored so.
   const T* packed = nullptr;
   Index packed_nr = 0, packed_cols = 0, packed_row = 0, packed_col = 0;
 
@@ -381,7 +382,7 @@ void pack_b_panel(const GemmB<T>& b, Index kc, Index w, Index NR, T* panel) {
 }
 
 /// tile_kernel for an edge tile: only the first `np` (<= NP) packets of columns, so a narrow
-/// edge (a router's few columns) does not pay for a whole panel. Out of line, as rows_kernel:
+/// edge (a head's d columns, the last few of a product) does not pay for a whole panel. Out of line, as rows_kernel:
 /// inlined, the dozens of kernels made gemm() itself slower: 1.7-2.5x on [16 x 768] x
 /// [768 x 32] products, 1.2-1.4x on [49 x 768] x [768 x 256] (the same program built both
 /// ways, three alternating rounds).
@@ -483,7 +484,7 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
             const T* a = A + (i0 + ip) * lda + k0;
             T* c = C + (i0 + ip) * ldc + j0 + jp;
             if (2 * np <= S::NP && ip + 2 * MR <= full) {
-              // A narrow panel (a head's d columns, a router's few): tiles of twice the rows in
+              // A narrow panel (a head's d columns, the last few): tiles of twice the rows in
               // the same registers, so that each load of B feeds twice the multiply-adds and
               // enough independent chains hide the multiply-add latency. Columns that are not
               // whole packets go through `edge`, started from C's values.
@@ -538,7 +539,8 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
 /// Rows of A that rows_product() handles (decode steps); more go to gemm().
 constexpr Index kFewRows = 4;
 
-/// C[n, count] (+)= A[n, K] W[count, K]^T for n <= kFewRows, straight from W's storage (T or
+/// C[n, count] (+)= A[n, K] W[count, K]^T (n <= kFewRows in a decode step; any n for a router's
+/// few outputs, project_dots()), straight from W's storage (T or
 /// bfloat16) without packing: each weight is read once from memory (a group of 8 weight rows
 /// stays in L1 while every row of A passes over it, for K up to about 1000 floats; longer rows
 /// come from L2). Each C element sums packet-wise partial

@@ -1,7 +1,8 @@
 // Linear projection Y = X W^T + b, with W stored [out, in] as torch.nn.Linear stores it.
 //
 // Every projection in moh is one GEMM over all rows (batch x tokens) at once (ops/gemm.hpp), or
-// dot products against W's rows for a decode step's few rows. The parallel form splits Y into
+// dot products against W's rows for a decode step's few rows and for a router's few outputs
+// (project_dots). The parallel form splits Y into
 // fixed tiles whose size never depends on the thread count, so the result is bitwise identical
 // for any number of threads.
 #pragma once

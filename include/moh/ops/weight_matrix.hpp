@@ -28,8 +28,8 @@ enum class WeightStorage {
   // In T as Native, and a second copy in the GEMM's panel layout, which the products of many
   // rows read in place instead of packing the weights on every call: twice the memory, for the
   // same bits. Worth it where calls have few tokens against large weights (MoH-ViT's 7 x 7
-  // stage: packing took a sixth of MHA's time there, over a quarter of MoH-ViT's at 50 %
-  // heads); a decode step reads the first copy.
+  // stage: packing the weights on every call was 23 % of MHA's time there and 36 % of
+  // MoH-ViT's at 50 % heads); a decode step reads the first copy.
   NativePacked,
 };
 
@@ -66,8 +66,8 @@ class WeightMatrix {
       native_ = LargeBuffer<T>(static_cast<std::size_t>(rows * cols));
     else
       bf16_ = LargeBuffer<std::uint16_t>(static_cast<std::size_t>(rows * cols));
-    if (storage_ == WeightStorage::NativePacked)
-      packed_ = LargeBuffer<T>(static_cast<std::size_t>(packed_rows() * cols));
+    if (storage_ == WeightStorage::NativePacked)  // zeroed, with the tail GemmB::packed needs
+      packed_ = LargeBuffer<T>(static_cast<std::size_t>(packed_rows() * cols + nr_));
   }
 
   Index rows() const { return rows_; }
@@ -100,7 +100,7 @@ class WeightMatrix {
                    " rows of ", cols_, " columns from row ", first, " of a [", rows_, ", ", cols_,
                    "] matrix, got [", w.rows(), ", ", w.cols(), "]");
     if (packed_.size() != 0) {
-      constexpr Index nr = detail::GemmShape<T>::NR;
+      const Index nr = nr_;
       for (Index i = 0; i < w.rows(); ++i) {
         const Index r = first + i;
         T* p = packed_.data() + (r / nr) * cols_ * nr + r % nr;
@@ -154,7 +154,7 @@ class WeightMatrix {
       b.bf16 = bf16_.data() + at;
     if (transposed && packed_.size() != 0) {
       b.packed = packed_.data();
-      b.packed_nr = detail::GemmShape<T>::NR;
+      b.packed_nr = nr_;
       b.packed_cols = cols_;
       b.packed_row = r0;
       b.packed_col = c0;
@@ -184,16 +184,17 @@ class WeightMatrix {
 
   // Columns of the panel that starts at column j0.
   Index width(Index j0) const { return std::min(panel_, cols_ - j0); }
-  // Rows of the packed copy: whole panels of GemmShape<T>::NR.
-  Index packed_rows() const {
-    constexpr Index nr = detail::GemmShape<T>::NR;
-    return (rows_ + nr - 1) / nr * nr;
-  }
+  // Rows of the packed copy: whole panels of nr_.
+  Index packed_rows() const { return (rows_ + nr_ - 1) / nr_ * nr_; }
 
   Index rows_ = 0, cols_ = 0, panel_ = 0;
+  // Rows per panel of the packed copy: gemm()'s NR where the matrix was built. gemm() reads the
+  // copy only if that is its own NR (a program whose files target different vector widths packs
+  // as before).
+  Index nr_ = detail::GemmShape<T>::NR;
   WeightStorage storage_ = WeightStorage::Native;
   LargeBuffer<T> native_;              // rows * cols unless BFloat16, in the layout above
-  LargeBuffer<T> packed_;              // packed_rows() * cols when NativePacked
+  LargeBuffer<T> packed_;              // packed_rows() * cols + nr_ when NativePacked
   LargeBuffer<std::uint16_t> bf16_;    // rows * cols when BFloat16, in the layout above
 };
 
