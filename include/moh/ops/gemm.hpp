@@ -448,6 +448,11 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
       std::fill(e + r * NR + w, e + r * NR + np * S::L, T(0));
     }
   };
+  // C[r, j] = edge[r, j] for the h x w elements of an edge tile.
+  auto end_edge = [&](const T* e, T* c, Index h, Index w) {
+    for (Index r = 0; r < h; ++r)
+      for (Index j = 0; j < w; ++j) c[r * ldc + j] = e[r * NR + j];
+  };
 
   for (Index j0 = 0; j0 < N; j0 += NC) {
     const Index nc = std::min(NC, N - j0);
@@ -498,9 +503,7 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
                                                            from, pf, pf_rows);
               else
                 edge_kernel<T, 2 * S::MR, S::NP / 2>(np, a, lda, 1, b, NR, kc, out, ld_out, from);
-              if (!whole)
-                for (Index r = 0; r < 2 * MR; ++r)
-                  for (Index j = 0; j < w; ++j) c[r * ldc + j] = edge[r * NR + j];
+              if (!whole) end_edge(edge, c, 2 * MR, w);
               ip += MR;
               continue;
             }
@@ -527,8 +530,7 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
             }
             start_edge(edge, c, h, w, np, acc);
             rows_kernel<T, S::MR, S::NP>(h, np, a, lda, b, NR, kc, edge, NR, true);
-            for (Index r = 0; r < h; ++r)
-              for (Index j = 0; j < w; ++j) c[r * ldc + j] = edge[r * NR + j];
+            end_edge(edge, c, h, w);
           }
         }
       }
