@@ -182,6 +182,30 @@ TEST(AttentionKernel, PaddingInLaterKeyBlockOnly) {
   EXPECT_LE(run_case<double>(causal, 78), kDoubleTol);
 }
 
+// A decode step's few queries (fewer than 8) read the keys in blocks of up to 16384 (as many as
+// the score tile holds for them): the online softmax must carry across those long blocks too,
+// for one query and for groups of 2 to 7, in float and double, with padding and a causal cache
+// shift, and with a whole long block hidden. Head sizes: whole packets of 2, 4 and 8 (unrolled
+// kernels) and 3 packets (the general loop).
+TEST(AttentionKernel, FewQueriesOverSeveralLongKeyBlocks) {
+  const Index L = moh::detail::packet_size<float>();
+  for (Index n_q : {Index(1), Index(2), Index(3), Index(4), Index(7)}) {
+    const Index block = std::max<Index>(256, 64 * 256 / n_q / 256 * 256);
+    const Index S = 2 * block + 37;
+    for (Index d : {2 * L, 3 * L, 4 * L, 8 * L}) {
+      if (n_q > 2 && d > 4 * L) continue;  // the sizes that matter, in test time
+      std::vector<bool> pad = random_padding(S, S + n_q + d, 0.2);
+      for (Index j = block; j < 2 * block; ++j) pad[j] = true;  // the whole second block
+      Case c{n_q, S, d, true, S - n_q, pad};
+      EXPECT_LE(run_case<float>(c, 400 + n_q + d), 2 * kFloatTol)
+          << "n_q " << n_q << " d " << d << " S " << S;
+      Case open{n_q, S, d};
+      EXPECT_LE(run_case<double>(open, 500 + n_q + d), kDoubleTol)
+          << "n_q " << n_q << " d " << d << " S " << S;
+    }
+  }
+}
+
 TEST(AttentionKernel, GatheredQueryPositions) {
   // Queries of a routed head: a subset of the tokens of a 300-token sequence, at ascending
   // positions given as a list; causal shift 0 (self) and 40 (40 cached keys before them).

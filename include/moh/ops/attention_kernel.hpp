@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "moh/ops/gemm.hpp"
 #include "moh/runtime/workspace.hpp"
@@ -172,31 +173,76 @@ constexpr bool tiled_head(Index d) {
 // copying: each key is used by so few queries that the copy costs more than the products.
 constexpr Index kPackedQueries = 8;
 
+/// out[j] = the sum of the lanes of a[j] for j < 4. With AVX-512 floats the four sums share
+/// their shuffles (14 instructions for four, against about 10 each one by one).
+template <class T>
+inline void sums_of_four(const GemmPacket<T>* a, T* out) {
+#ifdef EIGEN_VECTORIZE_AVX512
+  if constexpr (std::is_same_v<T, float> && packet_size<T>() == 16) {
+    // 128-bit lanes of u01: [a0 l0 + l2, a0 l1 + l3, a1 l0 + l2, a1 l1 + l3]; u23 alike.
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44),
+                                     _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44),
+                                     _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+    // Lane j: four partial sums of a[j]; then each lane's four added within it.
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88),
+                                   _mm512_shuffle_f32x4(u01, u23, 0xDD));
+    const __m512 x = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E));  // elements (2, 3, 0, 1)
+    const __m512 y = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));  // elements (1, 0, 3, 2)
+    const __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, y)));
+    return;
+  }
+#endif
+  for (int j = 0; j < 4; ++j) out[j] = Eigen::internal::predux(a[j]);
+}
+
 /// S[r, c] = scale * q_r . k_c for NQ queries (rows at q_stride) and nk keys (rows at
-/// k_stride) of d = whole packets; S rows at ld. Four keys at a time, so that 4 NQ independent
-/// sums are in flight; each score is a packet-wise sum over d, then reduced.
-template <class T, int NQ, class Src>
-void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, Index nk, Index d,
-                      T scale, T* S, Index ld) {
+/// k_stride) of d = whole packets; S rows at ld. Each score is a packet-wise sum over d (one
+/// chain over the packets in order), then reduced. Up to two queries: four keys at a time, each
+/// key's row read in order. Three or more: two keys at a time with their packets in step, so
+/// that each query packet is loaded once for both (the loads, not the bytes from memory, bound
+/// four queries of 128 floats; four rows in step defeat the hardware prefetcher, measured).
+/// DP: the head's packets when known at compile time (the loops over d unrolled: 2-4x faster
+/// for 2 or 4 queries of 128 floats, measured), 0 when not.
+template <class T, int NQ, int DP, class Src>
+void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_stride, Index nk,
+                         Index head_dim, T scale, T* S, Index ld) {
   using P = GemmPacket<T>;
   constexpr Index L = packet_size<T>();
-  constexpr int KB = 4;
+  const Index d = DP > 0 ? DP * L : head_dim;
+  constexpr int KB = NQ >= 3 ? 2 : 4;
+  constexpr int kSums = NQ * KB;
   Index c = 0;
   for (; c + KB <= nk; c += KB) {
     P acc[NQ][KB];
     for (int r = 0; r < NQ; ++r)
       for (int j = 0; j < KB; ++j) acc[r][j] = Eigen::internal::pset1<P>(T(0));
-    for (int j = 0; j < KB; ++j) {
-      const Src* kr = k + (c + j) * k_stride;
+    const Src* kc = k + c * k_stride;
+    if constexpr (NQ >= 3) {
       for (Index x = 0; x < d; x += L) {
-        const P kv = load_packet<T>(kr + x);
-        for (int r = 0; r < NQ; ++r)
-          acc[r][j] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q + r * q_stride + x), kv,
-                                             acc[r][j]);
+        P kv[KB];
+        for (int j = 0; j < KB; ++j) kv[j] = load_packet<T>(kc + j * k_stride + x);
+        for (int r = 0; r < NQ; ++r) {
+          const P qv = Eigen::internal::ploadu<P>(q + r * q_stride + x);
+          for (int j = 0; j < KB; ++j) acc[r][j] = Eigen::internal::pmadd(qv, kv[j], acc[r][j]);
+        }
       }
+    } else {
+      for (int j = 0; j < KB; ++j)
+        for (Index x = 0; x < d; x += L) {
+          const P kv = load_packet<T>(kc + j * k_stride + x);
+          for (int r = 0; r < NQ; ++r)
+            acc[r][j] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q + r * q_stride + x),
+                                               kv, acc[r][j]);
+        }
     }
+    T sums[kSums];  // in (r, j) order
+    int i = 0;
+    for (; i + 4 <= kSums; i += 4) sums_of_four<T>(&acc[0][0] + i, sums + i);
+    for (; i < kSums; ++i) sums[i] = Eigen::internal::predux((&acc[0][0])[i]);
     for (int r = 0; r < NQ; ++r)
-      for (int j = 0; j < KB; ++j) S[r * ld + c + j] = scale * Eigen::internal::predux(acc[r][j]);
+      for (int j = 0; j < KB; ++j) S[r * ld + c + j] = scale * sums[r * KB + j];
   }
   for (; c < nk; ++c)
     for (int r = 0; r < NQ; ++r) {
@@ -206,6 +252,20 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
                                      load_packet<T>(k + c * k_stride + x), acc);
       S[r * ld + c] = scale * Eigen::internal::predux(acc);
     }
+}
+
+template <class T, int NQ, class Src>
+void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, Index nk, Index d,
+                      T scale, T* S, Index ld) {
+  // One query keeps the loop over d: unrolled, GCC interleaves the loads of the four key rows,
+  // which reads the cache ~8% slower (measured at d = 64).
+  switch (NQ > 1 ? d / packet_size<T>() : 0) {  // the common head sizes (64, 128; 32, 256)
+    case 2: few_query_scores_of<T, NQ, 2>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
+    case 4: few_query_scores_of<T, NQ, 4>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
+    case 8: few_query_scores_of<T, NQ, 8>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
+    case 16: few_query_scores_of<T, NQ, 16>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
+    default: few_query_scores_of<T, NQ, 0>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
+  }
 }
 
 /// A[r, x0 : x0 + NP L] += sum_c W[r, c] v_c[x0 : ...] for NQ rows: the accumulators stay in
@@ -251,14 +311,24 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
   constexpr Index L = packet_size<T>();
   constexpr int kRegisters = 24;  // accumulators (AVX-512 has 32 vector registers)
   constexpr int NP = std::min(8, std::max(1, kRegisters / NQ));
-  Index x0 = 0;
-  for (; x0 + NP * L <= d; x0 += NP * L)
-    few_query_values_panel<T, NQ, NP, Src>(W, ldw, v, v_stride, nk, x0, A, lda);
-  // The packets left (fewer than NP) in one more panel: a head of 4 packets with one query is
-  // one panel of 4 chains, not 4 passes over the values with one chain each.
   constexpr int kRest = NP > 1 ? NP - 1 : 1;
-  if (x0 < d)
-    few_query_values_rest<T, NQ, kRest, Src>((d - x0) / L, W, ldw, v, v_stride, nk, x0, A, lda);
+  // A head of more than one panel goes over the values in runs of kRun keys, every panel per
+  // run, so that the later panels find the run in L1/L2 (each element's chain over the keys
+  // stays in order: its accumulator is stored and reloaded between runs, exactly).
+  constexpr Index kRun = 128;
+  const Index run = d > NP * L ? kRun : nk;
+  for (Index c0 = 0; c0 < nk; c0 += run) {
+    const Index n = std::min(run, nk - c0);
+    const T* w = W + c0;
+    const Src* vr = v + c0 * v_stride;
+    Index x0 = 0;
+    for (; x0 + NP * L <= d; x0 += NP * L)
+      few_query_values_panel<T, NQ, NP, Src>(w, ldw, vr, v_stride, n, x0, A, lda);
+    // The packets left (fewer than NP) in one more panel: a head of 4 packets with one query is
+    // one panel of 4 chains, not 4 passes over the values with one chain each.
+    if (x0 < d)
+      few_query_values_rest<T, NQ, kRest, Src>((d - x0) / L, w, ldw, vr, v_stride, n, x0, A, lda);
+  }
 }
 
 /// Calls fn(std::integral_constant<int, n>{}, r0) for chunks of at most 4 of `rows` rows.
@@ -367,6 +437,18 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
     copy_rows(v16 + j0 * v_stride, v_stride, nk, d, wide_v.data());
     return Block{wide_k.data(), d, wide_v.data(), d, nullptr, nullptr};
   };
+  // Keys per block: the few-query kernels take as many as the score tile holds for their
+  // queries (4096 for a group of 4, 16384 for one), so that the keys and the values of a head are
+  // each read in one long run (in blocks of 256 keys, alternating between the two streams, the
+  // D = 1024 decode step read its cache at ~80% of a plain sum's rate; at 4096, ~100%, measured).
+  const Index key_block =
+      few ? std::max(kKeyBlock, kQueryBlock * kKeyBlock / std::max<Index>(1, n_q) / kKeyBlock *
+                                    kKeyBlock)
+          : kKeyBlock;
+  StridedMap<T> scores_tile(scratch.scores.data(), kQueryBlock * kKeyBlock / key_block, key_block,
+                            Eigen::OuterStride<>(key_block));
+  // Of one row of a masked block: which keys are hidden.
+  bool* hidden = arena.allocate<bool>(key_block);
   for (Index i0 = 0; i0 < n_q; i0 += kQueryBlock) {
     const Index nq = std::min(kQueryBlock, n_q - i0);
     ConstStridedMap<T> Q(q + i0 * q_stride, nq, d, Eigen::OuterStride<>(q_stride));
@@ -402,7 +484,7 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
     // path's product in *v_block.
     auto scores_of = [&](Index j0, Index nk, const Block& blk, const T** v_block) {
       ConstStridedMap<T> K(blk.k, blk.k ? nk : 0, d, Eigen::OuterStride<>(std::max<Index>(1, blk.ks)));
-      auto s = scratch.scores.topLeftCorner(nq, nk);
+      auto s = scores_tile.topLeftCorner(nq, nk);
       *v_block = scratch.values.data();
       if (fast) {
         // scale * K^T of this block, zero-padded to whole packets of keys.
@@ -427,8 +509,8 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
                              scratch.scores.data(), scratch.scores.outerStride(), false);
       } else if (few) {
         const T* qb = q + i0 * q_stride;
-        T* sb = scratch.scores.data();
-        const Index ld = scratch.scores.outerStride();
+        T* sb = scores_tile.data();
+        const Index ld = scores_tile.outerStride();
         for_query_chunks(nq, [&](auto n, Index r0) {
           constexpr int kN = decltype(n)::value;
           if (blk.k16)
@@ -470,14 +552,13 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
     m.setConstant(kNegInf);
     l.setZero();
 
-    bool hidden[kKeyBlock];  // of one row of a masked block: which keys are hidden
-    for (Index j0 = 0; j0 < key_end; j0 += kKeyBlock) {
-      const Index nk = std::min(kKeyBlock, key_end - j0);
+    for (Index j0 = 0; j0 < key_end; j0 += key_block) {
+      const Index nk = std::min(key_block, key_end - j0);
       if (hidden_by_bias(j0, nk)) continue;  // contributes nothing to any query of the block
       const T* v_block = nullptr;
       const Block blk = packed ? Block{} : block_of(j0, nk);
       const bool masked = scores_of(j0, nk, blk, &v_block);
-      auto s = scratch.scores.topLeftCorner(nq, nk);
+      auto s = scores_tile.topLeftCorner(nq, nk);
 
       // Online softmax, one contiguous row at a time: rescale what was accumulated to the new
       // row max, then add this block's weights and weighted values.
@@ -536,15 +617,15 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
     // The probabilities, when asked: the scores again, normalised by the row's final max and sum.
     if (weights.data == nullptr) continue;
     for (Index r = 0; r < nq; ++r) std::fill(weights.row(i0 + r), weights.row(i0 + r) + S, T(0));
-    for (Index j0 = 0; j0 < key_end; j0 += kKeyBlock) {
-      const Index nk = std::min(kKeyBlock, key_end - j0);
+    for (Index j0 = 0; j0 < key_end; j0 += key_block) {
+      const Index nk = std::min(key_block, key_end - j0);
       if (hidden_by_bias(j0, nk)) continue;
       const T* v_block = nullptr;
       scores_of(j0, nk, packed ? Block{} : block_of(j0, nk), &v_block);
       for (Index r = 0; r < nq; ++r) {
         if (!(l[r] > T(0))) continue;  // a row that sees nothing stays zero
         T* p = weights.row(i0 + r) + j0;
-        const T* s = scratch.scores.row(r).data();
+        const T* s = scores_tile.row(r).data();
         for (Index c = 0; c < nk; ++c) p[c] = s[c] == kNegInf ? T(0) : std::exp(s[c] - m[r]) / l[r];
       }
     }
