@@ -17,8 +17,13 @@ using moh::Index;
 using moh_test::BitEqual;
 
 constexpr Index kSequences = 3, kSteps = 4;
-const Index kPrompts[kSequences] = {5, 11, 8};  // tokens of each sequence before the steps
-constexpr Index kLongest = 11;
+// Tokens of each sequence before the steps. Each prompt has more rows than a decode step's
+// projections take as dot products (kDotRows), so that alone and in the batch it goes through
+// the same GEMM (the routes differ in rounding; the steps are what this test compares).
+constexpr Index kPrompts[kSequences] = {9, 14, 11};
+constexpr Index kLongest = 14;
+static_assert(kPrompts[0] > moh::detail::kDotRows && kPrompts[2] > moh::detail::kDotRows,
+              "each prompt must be longer than a decode step's rows");
 constexpr Index kResetSequence = 1, kResetAfter = 2;  // sequence 1 restarts after step 2
 
 /// Row b of token t of a [B, T, D] tensor as a [1, 1, D] tensor.

@@ -375,7 +375,7 @@ TEST(Multiply, ReachIsAPrefetchHintOnly) {
 }
 
 TEST(RowsProduct, MatchesNaiveFromFloatAndBFloat16AndAccumulates) {
-  for (Index n = 1; n <= moh::detail::kFewRows; ++n)
+  for (Index n = 1; n <= moh::detail::kDotRows; ++n)
     for (Index K : {1, 15, 16, 17, 100, 1027})
       for (Index count : {1, 7, 8, 9, 70}) {
         SCOPED_TRACE(testing::Message() << "n=" << n << " K=" << K << " count=" << count);
@@ -414,7 +414,7 @@ TEST(RowsProduct, AnElementDoesNotDependOnTheRowsOfWBesideIt) {
 }
 
 TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
-  const Index n = moh::detail::kFewRows, K = 333, count = 29;
+  const Index n = moh::detail::kDotRows - 1, K = 333, count = 29;  // pairs and a single row
   const Matrix<float> A = moh_test::random_matrix<float>(n, K, 16);
   const Matrix<float> W = moh_test::random_matrix<float>(count, K, 17);
   Matrix<float> all(n, count);
@@ -431,15 +431,17 @@ TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
 
 namespace {
 
-// multiply() switches from rows_product to gemm between kFewRows and kFewRows + 1 rows of a
-// transposed operand, and runs [K, N] operands unpacked below kUnpackedRows: every route matches
+// multiply() switches from rows_product to gemm between kDotRows and kDotRows + 1 rows of a
+// transposed operand, runs [K, N] operands through few_rows_product up to kFewRows rows and
+// unpacked below kUnpackedRows: every route matches
 // the naive product, in float and double.
 template <class T>
 void check_multiply_routes(double tol_per_term) {
   Arena arena;
   const Index K = 131;
   for (bool transposed : {true, false})
-    for (Index M : {moh::detail::kFewRows, moh::detail::kFewRows + 1, moh::detail::kUnpackedRows - 1,
+    for (Index M : {moh::detail::kFewRows, moh::detail::kFewRows + 1, moh::detail::kDotRows,
+                    moh::detail::kDotRows + 1, moh::detail::kUnpackedRows - 1,
                     moh::detail::kUnpackedRows})
       for (Index N : {GemmShape<T>::L, 3 * GemmShape<T>::L, 3 * GemmShape<T>::L + 1}) {
         SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " transposed=" << transposed);

@@ -14,7 +14,7 @@
 // the target has FMA) over k = 0 .. K-1 in order, starting from C (accumulate) or zero, whatever
 // the blocking, the edge handling or the thread that runs it: a row of C does not depend on which
 // other rows or columns are computed in the same call, and the two give the same bits.
-// rows_product() (up to kFewRows rows against W^T in a decode step; any rows for the few outputs
+// rows_product() (up to kDotRows rows against W^T in a decode step; any rows for the few outputs
 // of a router, project_dots() in linear.hpp) sums in packets and then reduces, so its bits
 // differ; multiply() picks it by shape alone, so results still never depend on the thread count.
 #pragma once
@@ -538,60 +538,85 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
   }
 }
 
-/// Rows of A that rows_product() handles (decode steps); more go to gemm().
+/// Rows of A that few_rows_product() handles (decode steps); more go to the tiled products.
 constexpr Index kFewRows = 4;
+/// Rows of A that multiply() gives to rows_product() against a transposed operand: a decode step
+/// of up to 8 sequences reads the weights in place (through gemm(), a batch of 8 packed the
+/// 16 MB of weights of a D = 1024 layer every step: 13% of the step, measured).
+constexpr Index kDotRows = 8;
 
-/// C[n, count] (+)= A[n, K] W[count, K]^T (n <= kFewRows in a decode step; any n for a router's
-/// few outputs, project_dots()), straight from W's storage (T or
-/// bfloat16) without packing: each weight is read once from memory (a group of 8 weight rows
-/// stays in L1 while every row of A passes over it, for K up to about 1000 floats; longer rows
-/// come from L2). Each C element sums packet-wise partial
-/// sums, then reduces them (and adds the sum to C when `accumulate`); a row of C does not depend
-/// on the other rows.
-template <class T, class Src>
-void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count, Index K,
-                  T* C, Index ldc, bool accumulate) {
+/// RA rows of rows_product(): the rows share each load of W.
+template <class T, int RA, class Src>
+void rows_product_group(const T* A, Index lda, const Src* W, Index ldw, Index j0, Index g,
+                        Index K, T* C, Index ldc, bool accumulate) {
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   constexpr Index kGroup = 8;  // independent accumulators hide the FMA latency
   constexpr Index kShortRow = 256;
   const Index whole = K / L * L;
-  for (Index j0 = 0; j0 < count; j0 += kGroup) {
-    const Index g = std::min(kGroup, count - j0);
-    for (Index r = 0; r < n; ++r) {
-      const T* a = A + r * lda;
-      P acc[kGroup];
-      for (Index jj = 0; jj < kGroup; ++jj) acc[jj] = Eigen::internal::pset1<P>(T(0));
-      if (g == kGroup && K <= kShortRow) {
-        // Short rows (one head's slice): the group's rows one after the other, in memory order,
-        // so that the hardware prefetcher sees one stream rather than 8 runs of a few lines.
-        for (Index jj = 0; jj < kGroup; ++jj) {
-          const Src* w = W + (j0 + jj) * ldw;
-          for (Index k = 0; k < whole; k += L)
-            acc[jj] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(a + k), load_packet<T>(w + k),
-                                             acc[jj]);
-        }
-      } else if (g == kGroup) {
-        for (Index k = 0; k < whole; k += L) {
-          const P av = Eigen::internal::ploadu<P>(a + k);
-          for (Index jj = 0; jj < kGroup; ++jj)
-            acc[jj] = Eigen::internal::pmadd(av, load_packet<T>(W + (j0 + jj) * ldw + k), acc[jj]);
-        }
-      } else {  // the last g < kGroup rows of W: their chains interleaved, as above
-        for (Index k = 0; k < whole; k += L) {
-          const P av = Eigen::internal::ploadu<P>(a + k);
-          for (Index jj = 0; jj < g; ++jj)
-            acc[jj] = Eigen::internal::pmadd(av, load_packet<T>(W + (j0 + jj) * ldw + k), acc[jj]);
-        }
-      }
-      for (Index jj = 0; jj < g; ++jj) {
-        const Src* w = W + (j0 + jj) * ldw;
-        T sum = Eigen::internal::predux(acc[jj]);
-        for (Index k = whole; k < K; ++k) sum += a[k] * load_scalar<T>(w + k);
-        T& c = C[r * ldc + j0 + jj];
-        c = accumulate ? c + sum : sum;
+  P acc[RA][kGroup];
+  for (int r = 0; r < RA; ++r)
+    for (Index jj = 0; jj < kGroup; ++jj) acc[r][jj] = Eigen::internal::pset1<P>(T(0));
+  if (g == kGroup && K <= kShortRow) {
+    // Short rows (one head's slice): the group's rows one after the other, in memory order,
+    // so that the hardware prefetcher sees one stream rather than 8 runs of a few lines.
+    for (Index jj = 0; jj < kGroup; ++jj) {
+      const Src* w = W + (j0 + jj) * ldw;
+      for (Index k = 0; k < whole; k += L) {
+        const P wv = load_packet<T>(w + k);
+        for (int r = 0; r < RA; ++r)
+          acc[r][jj] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(A + r * lda + k), wv,
+                                              acc[r][jj]);
       }
     }
+  } else if (g == kGroup) {
+    for (Index k = 0; k < whole; k += L) {
+      P av[RA];
+      for (int r = 0; r < RA; ++r) av[r] = Eigen::internal::ploadu<P>(A + r * lda + k);
+      for (Index jj = 0; jj < kGroup; ++jj) {
+        const P wv = load_packet<T>(W + (j0 + jj) * ldw + k);
+        for (int r = 0; r < RA; ++r) acc[r][jj] = Eigen::internal::pmadd(av[r], wv, acc[r][jj]);
+      }
+    }
+  } else {  // the last g < kGroup rows of W: their chains interleaved, as above
+    for (Index k = 0; k < whole; k += L) {
+      P av[RA];
+      for (int r = 0; r < RA; ++r) av[r] = Eigen::internal::ploadu<P>(A + r * lda + k);
+      for (Index jj = 0; jj < g; ++jj) {
+        const P wv = load_packet<T>(W + (j0 + jj) * ldw + k);
+        for (int r = 0; r < RA; ++r) acc[r][jj] = Eigen::internal::pmadd(av[r], wv, acc[r][jj]);
+      }
+    }
+  }
+  for (int r = 0; r < RA; ++r) {
+    const T* a = A + r * lda;
+    for (Index jj = 0; jj < g; ++jj) {
+      const Src* w = W + (j0 + jj) * ldw;
+      T sum = Eigen::internal::predux(acc[r][jj]);
+      for (Index k = whole; k < K; ++k) sum += a[k] * load_scalar<T>(w + k);
+      T& c = C[r * ldc + j0 + jj];
+      c = accumulate ? c + sum : sum;
+    }
+  }
+}
+
+/// C[n, count] (+)= A[n, K] W[count, K]^T (n <= kDotRows in a decode step; any n for a router's
+/// few outputs, project_dots()), straight from W's storage (T or bfloat16) without packing: each
+/// weight is read once from memory (a group of 8 weight rows stays in L1 or L2 while the rows of
+/// A pass over it, two at a time, sharing its loads). Each C element sums packet-wise partial
+/// sums, then reduces them (and adds the sum to C when `accumulate`); a row of C does not depend
+/// on the other rows, nor on how many rows come with it.
+template <class T, class Src>
+void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count, Index K,
+                  T* C, Index ldc, bool accumulate) {
+  constexpr Index kGroup = 8;
+  for (Index j0 = 0; j0 < count; j0 += kGroup) {
+    const Index g = std::min(kGroup, count - j0);
+    Index r = 0;
+    for (; r + 2 <= n; r += 2)
+      rows_product_group<T, 2>(A + r * lda, lda, W, ldw, j0, g, K, C + r * ldc, ldc, accumulate);
+    if (r < n)
+      rows_product_group<T, 1>(A + r * lda, lda, W, ldw, j0, g, K, C + r * ldc, ldc, accumulate);
   }
 }
 
@@ -630,8 +655,8 @@ void few_rows_product(const T* A, Index lda, const Src* B, Index ldb, Index M, I
 constexpr Index kUnpackedRows = 32;
 
 /// C[M, N] (+)= A[M, K] B on this thread, by the cheapest route for the shape:
-///   - a few rows against a transposed B: rows_product() (a decode step streams the weights
-///     once, unpacked);
+///   - at most kDotRows rows against a transposed B: rows_product() (a decode step streams the
+///     weights once, unpacked);
 ///   - at most kFewRows rows against a [K, N] B of whole packets: few_rows_product();
 ///   - fewer than kUnpackedRows rows against a [K, N] B of whole packets: small_product();
 ///   - else gemm().
@@ -640,7 +665,7 @@ template <class T>
 void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N,
               Index K, bool accumulate, Arena& arena) {
   using S = GemmShape<T>;
-  if (B.transposed && M <= kFewRows) {
+  if (B.transposed && M <= kDotRows) {
     // One run of the storage (a head's panel) at a time; once when K = 0 (C = 0 or kept).
     B.for_each_run(K, [&](Index k, Index n, const GemmB<T>& s) {
       if (s.values)
