@@ -366,6 +366,22 @@ TYPED_TEST(MoHTest, ThreadCountDoesNotChangeBits) {
     check_threads<TypeParam>(D, Tn);
 }
 
+// Heads of at least 1 MiB of output weights (MoH-LLaMA3's 128 x 4096 floats) project their
+// outputs in row tiles of 512 (detail/attend.hpp): 2 x 300 rows make two tiles, the second one
+// partial. Same bits on any thread count; the sparse path agrees with the dense one.
+TEST(MoHLargeHeads, RowTilesOfLargeHeadsGiveTheSameBitsOnAnyThreadCount) {
+  const Index D = 512, Tn = 300, d = 512;  // d x D floats = 1 MiB per head
+  const MoHAttention<float> m(moh_config(D, 3, 1, 1, MoHRouterKind::Learned, 0, d), 9100);
+  const Tensor3<float> x = random_tensor<float>(2, Tn, D, 13);
+  const Mask pad = padding(2, Tn, {{0, Tn - 7}, {1, 2}});
+  const ForwardOptions sparse = Masking{true, &pad}.options(moh::ComputeMode::Sparse);
+  const Tensor3<float> got = moh_test::expect_same_bits_for_any_thread_count(
+      [&](moh::ThreadPool* pool) { return run(m, x, moh_test::with_pool(sparse, pool)); },
+      "sparse, large heads");
+  const Tensor3<float> dense = run(m, x, Masking{true, &pad}.options(moh::ComputeMode::Dense));
+  EXPECT_LE(relative_error(got, to_ref(dense)), Tol<float>::rel) << "sparse vs dense";
+}
+
 // ---- weights ------------------------------------------------------------------------------------
 
 // A layer built from its config alone has no weights: forward refuses to run, naming the tensors
