@@ -22,7 +22,8 @@ constexpr Index kSequences = 3, kSteps = 4;
 // the same GEMM (the routes differ in rounding; the steps are what this test compares).
 constexpr Index kPrompts[kSequences] = {9, 14, 11};
 constexpr Index kLongest = 14;
-static_assert(kPrompts[0] > moh::detail::kDotRows && kPrompts[2] > moh::detail::kDotRows,
+static_assert(kPrompts[0] > moh::detail::kDotRows && kPrompts[1] > moh::detail::kDotRows &&
+                  kPrompts[2] > moh::detail::kDotRows,
               "each prompt must be longer than a decode step's rows");
 constexpr Index kResetSequence = 1, kResetAfter = 2;  // sequence 1 restarts after step 2
 

@@ -201,7 +201,9 @@ void check_packed_copy() {
     // copy's last element: it must extend past its last panel).
     for (Index r0 : {Index(0), S::NR / 2, S::NR + S::NR / 2, rows - 16, rows - L, rows - 3})
       for (Index c0 : {Index(0), Index(32)})
-        for (Index M : {Index(1), Index(4), Index(5), Index(16), Index(49)}) {
+        // 5: dot products; kDotRows + 1: the first row count that packs (gemm reads the copy).
+        for (Index M : {Index(1), Index(4), Index(5), moh::detail::kDotRows + 1, Index(16),
+                        Index(49)}) {
           const Index N = std::min<Index>(rows - r0, 2 * S::NR), K = cols - c0;
           for (Index n : {N, std::min<Index>(N, 32), std::min<Index>(N, 2)}) {
             SCOPED_TRACE(testing::Message() << "r0=" << r0 << " c0=" << c0 << " M=" << M
