@@ -8,6 +8,7 @@
 //   BM_MHA_Decode/batch:1/context:4096/d_model:2048/heads:32/kv_heads:16/head_dim:128
 //   BM_MHA_Decode/batch:1/context:4096/d_model:4096/heads:32/kv_heads:8/threads:2 (wall_us)
 //   BM_MHA_Decode/batch:1/context:4096/d_model:4096/heads:32/kv_heads:8/bf16:1/kv_bf16:1
+//   BM_MHA_Decode/batch:16/context:1024/d_model:1024/heads:16/kv_heads:16 (more rows than kDotRows)
 //   BM_MHA_Decode/batch:8/context:4096/d_model:1024/heads:16/kv_heads:16/ragged:1, and the
 //   BM_MoH_Decode row with /active_pct:50/ragged:1 (contexts spread evenly over [C/2, C])
 //   BM_MHA_Prefill/batch:1/tokens:2048/d_model:4096/heads:32/kv_heads:8/causal:1
@@ -421,6 +422,9 @@ const bool registered = [] {
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
   for (Index c : kContexts) b->Args({1, c, 1024, 16, 16});
   b->Args({8, 4096, 1024, 16, 16});
+  // More sequences than kDotRows: still dot products (a decode call's rows stay bit-exact
+  // against each sequence alone), where by row count they would have gone to gemm().
+  b->Args({16, 1024, 1024, 16, 16});
   b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_ragged);
   b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "ragged"})
       ->Unit(benchmark::kMicrosecond);

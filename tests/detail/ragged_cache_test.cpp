@@ -16,15 +16,25 @@ namespace {
 using moh::Index;
 using moh_test::BitEqual;
 
-constexpr Index kSequences = 3, kSteps = 4;
-// Tokens of each sequence before the steps. Each prompt has more rows than a decode step's
-// projections take as dot products (kDotRows), so that alone and in the batch it goes through
-// the same GEMM (the routes differ in rounding; the steps are what this test compares).
-constexpr Index kPrompts[kSequences] = {9, 14, 11};
+constexpr Index kSteps = 4;
+// Tokens of each sequence before the steps (a batch takes the first n). Each prompt has more rows
+// than a decode step's projections take as dot products (kDotRows), so that alone and in the
+// batch it goes through the same GEMM (the routes differ in rounding; the steps are what this
+// test compares).
+constexpr Index kMaxSequences = 12;
+constexpr Index kPrompts[kMaxSequences] = {9, 14, 11, 12, 10, 13, 9, 14, 12, 11, 10, 13};
 constexpr Index kLongest = 14;
-static_assert(kPrompts[0] > moh::detail::kDotRows && kPrompts[1] > moh::detail::kDotRows &&
-                  kPrompts[2] > moh::detail::kDotRows,
-              "each prompt must be longer than a decode step's rows");
+constexpr bool all_prompts_longer_than_a_step() {
+  for (Index p : kPrompts)
+    if (p <= moh::detail::kDotRows || p > kLongest) return false;
+  return true;
+}
+static_assert(all_prompts_longer_than_a_step(),
+              "each prompt must be longer than a decode step's rows and at most kLongest");
+// A batch of more sequences than kDotRows: its steps have more rows than multiply() takes as
+// dot products by count, so they are dot products only because the call is a decode step.
+constexpr Index kLargeBatch = kMaxSequences;
+static_assert(kLargeBatch > moh::detail::kDotRows, "the large batch must exceed kDotRows rows");
 constexpr Index kResetSequence = 1, kResetAfter = 2;  // sequence 1 restarts after step 2
 
 /// Row b of token t of a [B, T, D] tensor as a [1, 1, D] tensor.
@@ -32,28 +42,29 @@ moh::Tensor3<float> token(const moh::Tensor3<float>& x, Index b, Index t) {
   return x.slice(Eigen::array<Index, 3>{b, t, 0}, Eigen::array<Index, 3>{1, 1, x.dimension(2)});
 }
 
-/// The step outputs [kSequences, kSteps, D] of the ragged batch, decoded on `pool`: prompts of
-/// kPrompts[b] tokens (one call over kLongest tokens, then each sequence cut back to its own),
-/// then kSteps single-token steps; sequence kResetSequence is reset after step kResetAfter.
+/// The step outputs [n, kSteps, D] of the ragged batch of n = prompt.dimension(0) sequences,
+/// decoded on `pool`: prompts of kPrompts[b] tokens (one call over kLongest tokens, then each
+/// sequence cut back to its own), then kSteps single-token steps; sequence kResetSequence is
+/// reset after step kResetAfter.
 template <class Layer>
 moh::Tensor3<float> ragged(const Layer& layer, const moh::Tensor3<float>& prompt,
                            const moh::Tensor3<float>& steps, moh::ThreadPool* pool) {
-  const Index D = layer.embed_dim();
-  moh::KvCache<float> cache = layer.make_cache(kSequences, kLongest + kSteps);
+  const Index D = layer.embed_dim(), sequences = prompt.dimension(0);
+  moh::KvCache<float> cache = layer.make_cache(sequences, kLongest + kSteps);
   moh::ForwardOptions opts;
   opts.pool = pool;
-  moh::Tensor3<float> y(kSequences, kLongest, D);
+  moh::Tensor3<float> y(sequences, kLongest, D);
   layer.forward_cached(prompt, y, cache, opts);
-  for (Index b = 0; b < kSequences; ++b) cache.truncate(b, kPrompts[b]);
+  for (Index b = 0; b < sequences; ++b) cache.truncate(b, kPrompts[b]);
   EXPECT_TRUE(cache.ragged());
-  moh::Tensor3<float> out(kSequences, kSteps, D);
+  moh::Tensor3<float> out(sequences, kSteps, D);
   for (Index s = 0; s < kSteps; ++s) {
     if (s == kResetAfter) cache.reset(kResetSequence);
     moh::Tensor3<float> x = steps.slice(Eigen::array<Index, 3>{0, s, 0},
-                                        Eigen::array<Index, 3>{kSequences, 1, D});
-    moh::Tensor3<float> ys(kSequences, 1, D);
+                                        Eigen::array<Index, 3>{sequences, 1, D});
+    moh::Tensor3<float> ys(sequences, 1, D);
     layer.forward_cached(x, ys, cache, opts);
-    out.slice(Eigen::array<Index, 3>{0, s, 0}, Eigen::array<Index, 3>{kSequences, 1, D}) = ys;
+    out.slice(Eigen::array<Index, 3>{0, s, 0}, Eigen::array<Index, 3>{sequences, 1, D}) = ys;
   }
   EXPECT_EQ(cache.length(kResetSequence), kSteps - kResetAfter);
   return out;
@@ -64,9 +75,9 @@ moh::Tensor3<float> ragged(const Layer& layer, const moh::Tensor3<float>& prompt
 template <class Layer>
 moh::Tensor3<float> alone(const Layer& layer, const moh::Tensor3<float>& prompt,
                           const moh::Tensor3<float>& steps) {
-  const Index D = layer.embed_dim();
-  moh::Tensor3<float> out(kSequences, kSteps, D);
-  for (Index b = 0; b < kSequences; ++b) {
+  const Index D = layer.embed_dim(), sequences = prompt.dimension(0);
+  moh::Tensor3<float> out(sequences, kSteps, D);
+  for (Index b = 0; b < sequences; ++b) {
     moh::KvCache<float> cache = layer.make_cache(1, kLongest + kSteps);
     moh::Tensor3<float> p = prompt.slice(Eigen::array<Index, 3>{b, 0, 0},
                                          Eigen::array<Index, 3>{1, kPrompts[b], D});
@@ -82,12 +93,15 @@ moh::Tensor3<float> alone(const Layer& layer, const moh::Tensor3<float>& prompt,
   return out;
 }
 
+/// A ragged batch of `sequences` against each sequence alone.
 template <class Layer>
-void expect_ragged_equals_alone(const typename Layer::Config& config, const std::string& what) {
+void expect_ragged_equals_alone(const typename Layer::Config& config, const std::string& what,
+                                Index sequences = 3) {
+  ASSERT_LE(sequences, kMaxSequences);
   const Layer layer(config, 23);
   const Index D = layer.embed_dim();
-  const moh::Tensor3<float> prompt = moh_test::random_tensor<float>(kSequences, kLongest, D, 3);
-  const moh::Tensor3<float> steps = moh_test::random_tensor<float>(kSequences, kSteps, D, 4);
+  const moh::Tensor3<float> prompt = moh_test::random_tensor<float>(sequences, kLongest, D, 3);
+  const moh::Tensor3<float> steps = moh_test::random_tensor<float>(sequences, kSteps, D, 4);
   const moh::Tensor3<float> expected = alone(layer, prompt, steps);
   const moh::Tensor3<float> got = moh_test::expect_same_bits_for_any_thread_count(
       [&](moh::ThreadPool* pool) { return ragged(layer, prompt, steps, pool); }, what);
@@ -119,6 +133,71 @@ TEST(RaggedCache, MoHLearnedRouter) {
 TEST(RaggedCache, JetMoE) {
   expect_ragged_equals_alone<moh::MoAAttention<float>>(moh::MoAConfig::jetmoe(128, 2, 6, 2, 32),
                                                        "jetmoe");
+}
+
+// More sequences than kDotRows: the steps' projections still take each row as a dot product (a
+// decode call's products, Exec::dot_rows), so that each sequence keeps the bits it has alone; a
+// GEMM over the batch's rows rounds differently.
+TEST(RaggedCache, LargeBatchMha) {
+  expect_ragged_equals_alone<moh::MultiHeadAttention<float>>(
+      moh_test::mha_config(128, 8, 2, 32, /*bias=*/true, /*rope=*/true), "mha, large batch",
+      kLargeBatch);
+}
+
+TEST(RaggedCache, LargeBatchMoHQueryNormRouter) {
+  expect_ragged_equals_alone<moh::MoHAttention<float>>(
+      moh_test::moh_config(128, 8, 2, 4, moh::MoHRouterKind::QueryNorm, 2, 32, false, true),
+      "moh query-norm, large batch", kLargeBatch);
+}
+
+TEST(RaggedCache, LargeBatchMoHLearnedRouter) {
+  expect_ragged_equals_alone<moh::MoHAttention<float>>(
+      moh_test::moh_config(96, 6, 2, 2, moh::MoHRouterKind::Learned, 0, 16, true, true),
+      "moh learned, large batch", kLargeBatch);
+}
+
+TEST(RaggedCache, LargeBatchJetMoE) {
+  expect_ragged_equals_alone<moh::MoAAttention<float>>(moh::MoAConfig::jetmoe(128, 2, 6, 2, 32),
+                                                       "jetmoe, large batch", kLargeBatch);
+}
+
+// Decoding against a memory (forward_cross on a make_memory_cache cache) is a decode call too: a
+// batch of kLargeBatch sequences, one new token each, gives each sequence its bits alone. The
+// memory has more tokens than kDotRows, so that its keys and values, alone and in the batch, come
+// from the same GEMM (as the prompts above).
+template <class Layer>
+void expect_cross_batch_equals_alone(const typename Layer::Config& config, const std::string& what) {
+  const Layer layer(config, 29);
+  const Index D = layer.embed_dim(), S = moh::detail::kDotRows + 3;
+  const moh::Tensor3<float> memory = moh_test::random_tensor<float>(kLargeBatch, S, D, 5);
+  const moh::Tensor3<float> x = moh_test::random_tensor<float>(kLargeBatch, 1, D, 6);
+  const moh::KvCache<float> cache = layer.make_memory_cache(memory);
+  const moh::Tensor3<float> got = moh_test::expect_same_bits_for_any_thread_count(
+      [&](moh::ThreadPool* pool) {
+        moh::ForwardOptions opts;
+        opts.pool = pool;
+        moh::Tensor3<float> y(kLargeBatch, 1, D);
+        layer.forward_cross(x, cache, y, opts);
+        return y;
+      },
+      what);
+  for (Index b = 0; b < kLargeBatch; ++b) {
+    const moh::Tensor3<float> m = memory.slice(Eigen::array<Index, 3>{b, 0, 0},
+                                               Eigen::array<Index, 3>{1, S, D});
+    const moh::KvCache<float> one = layer.make_memory_cache(m);
+    moh::Tensor3<float> y(1, 1, D);
+    layer.forward_cross(token(x, b, 0), one, y);
+    EXPECT_TRUE(BitEqual(y, token(got, b, 0))) << what << ": sequence " << b;
+  }
+}
+
+TEST(RaggedCache, LargeBatchCrossAttentionOnAMemory) {
+  expect_cross_batch_equals_alone<moh::MultiHeadAttention<float>>(
+      moh_test::mha_config(64, 4, 0, 0, /*bias=*/true), "mha");
+  expect_cross_batch_equals_alone<moh::MoHAttention<float>>(moh_test::moh_config(64, 8, 2, 3),
+                                                            "moh");
+  expect_cross_batch_equals_alone<moh::MoAAttention<float>>(moh_test::moa_config(64, 16, 6, 2),
+                                                            "moa");
 }
 
 // The cache's own bookkeeping: lengths per sequence, the longest as length(), and errors that

@@ -132,6 +132,28 @@ TEST(Linear, ParallelEqualsSerialGemm) {
   }
 }
 
+// Past one row tile, a row's bits do not depend on where the tiling puts it: the last few rows
+// (at most kDotRows past a whole tile) are not a tile of their own, which multiply() would take
+// as dot products (another rounding), but join the tile before. Each of them equals the same row
+// among rows that all go through the GEMM.
+TEST(Linear, RowsPastTheLastWholeTileGetTheGemmBits) {
+  const Index in = 96, out = 64;
+  const Matrix<float> W = moh_test::random_matrix<float>(out, in, 31);
+  for (Index tail : {Index(1), Index(5), moh::detail::kDotRows}) {
+    const Index rows = 128 + tail;
+    const Matrix<float> X = moh_test::random_matrix<float>(rows, in, 32);
+    Matrix<float> Y(rows, out);
+    moh::linear<float>(X, W, Y);
+    // The tail's rows with enough others before them that the call is one GEMM tile.
+    const Index few = moh::detail::kDotRows + 2;
+    const Matrix<float> Xs = X.bottomRows(few);
+    Matrix<float> Ys(few, out);
+    moh::linear<float>(Xs, W, Ys);
+    const Matrix<float> got = Y.bottomRows(tail), expected = Ys.bottomRows(tail);
+    EXPECT_TRUE(BitEqual(got, expected)) << rows << " rows";
+  }
+}
+
 // A Workspace only provides scratch: one workspace reused over every shape (growing and
 // shrinking), with and without threads, gives the bits of a call without one; on the calling
 // thread alone, once warm, a repeated shape does not grow it; release() empties it. (With a pool,

@@ -400,11 +400,13 @@ void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<
   //    each at E = 32 on 197 tokens), or heads of large output weights (JetMoE's experts): tiles
   //    of output columns, so that each head's weights are read once per call, not once per row
   //    tile, and its rows are multiplied together.
-  // A decode step's few rows always go through P, so that a row's bits do not depend on which
-  // other sequences of the batch use the same head (a batch equals its sequences decoded alone).
+  // A decode step's rows (few rows, or a decode call's: Exec::dot_rows) always go through P, so
+  // that a row's bits do not depend on which other sequences of the batch use the same head (a
+  // batch equals its sequences decoded alone): added in place, a GEMM's chain would start at Y.
+  const bool decode = n_rows <= kDotRows || exec.dot_rows;
   auto add_head = [&](Index h, Index lo, Index hi, Index c0, MatrixMap<T>& p, Arena& arena) {
     const Index n = hi - lo, m = p.cols();
-    if (n_rows > kDotRows && plan.rows[hi - 1] - plan.rows[lo] == n - 1) {  // add in place
+    if (!decode && plan.rows[hi - 1] - plan.rows[lo] == n - 1) {  // add in place
       project_out(h, O.middleRows(lo, n), Y.block(plan.rows[lo], c0, n, m), c0, true, arena);
       return;
     }
@@ -418,7 +420,7 @@ void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<
     for (Index h = 0; h < plan.heads; ++h) most = std::max(most, plan.count(h));
     // A decode step's few rows: wide tiles, so that each head's weights (one contiguous panel
     // per head, MoHAttention) stream in long runs rather than 128-column pieces.
-    const Index tile = n_rows <= kDotRows ? linear_tile(D_out, 256, 64) : kRoutedColumnTile;
+    const Index tile = decode ? linear_tile(D_out, 256, 64) : kRoutedColumnTile;
     parallel_for(exec.pool, blocks_of(D_out, tile), [&](std::int64_t task, int thread) {
       const Index c0 = task * tile, m = std::min(tile, D_out - c0);
       Arena& arena = exec.thread(thread);

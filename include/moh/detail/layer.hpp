@@ -198,7 +198,7 @@ class AttentionLayer {
            "make_memory_cache: expected none here, got a [", opts.key_padding_mask->dimension(0),
            ", ", opts.key_padding_mask->dimension(1), "] mask");
     const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
-    const Exec exec = lease.exec();
+    const Exec exec = decode_exec(lease, x.dimension(1));
     const Arena::Scope scope(exec.call());
     const RopeTable<T> rope = rope_table(opts.position_offset, x.dimension(1), exec.call());
     run(x, cache_view(memory, 0, exec.call()), rope, opts, Kind::Cross, y, routing, exec);
@@ -218,7 +218,7 @@ class AttentionLayer {
     const Index B = x.dimension(0), Tq = x.dimension(1);
     KvCacheAccess::check(cache, B, shape_.Hkv, shape_.d, Tq, Derived::kName);
     const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
-    const Exec exec = lease.exec();
+    const Exec exec = decode_exec(lease, Tq);
     const Arena::Scope scope(exec.call());
     const RopeTable<T> rope = cache_rope(cache, Tq, exec.call());  // new keys and queries alike
     const MatrixMap<T> KV = projected(x, rope, exec);
@@ -301,6 +301,15 @@ class AttentionLayer {
   Matrix<T> weight_matrix(const std::string& name, Index rows, Index cols) const {
     const std::vector<T> v = weight(name);
     return ConstMatrixMap<T>(v.data(), rows, cols);
+  }
+
+  /// The Exec of a call against a cache with `tokens` new tokens per sequence: a decode step
+  /// (at most kDotRows tokens) takes every projection as dot products (Exec::dot_rows), so that
+  /// its rows do not depend on the batch's size.
+  static Exec decode_exec(const WorkspaceLease& lease, Index tokens) {
+    Exec exec = lease.exec();
+    exec.dot_rows = tokens <= kDotRows;
+    return exec;
   }
 
   /// RoPE on `heads` heads of size d at column `col` of each row of M ([B*T, *]), row t of each

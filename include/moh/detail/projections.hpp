@@ -116,8 +116,9 @@ class Projections {
     project<T>(X, in_w_, q_width(), bias(q_width()), KV, exec);
   }
   /// Query head h of the given rows on this thread: Q[n, d] = X[n, D] Wq_h^T + bq_h.
-  void project_q_head(Index h, const ConstRowsRef<T>& X, RowsRef<T> Q, Arena& arena) const {
-    project_rows<T>(X, in_w_.operand(h * s_.d, 0, true), bias(h * s_.d), Q, arena);
+  void project_q_head(Index h, const ConstRowsRef<T>& X, RowsRef<T> Q, Arena& arena,
+                      bool dot_rows) const {
+    project_rows<T>(X, in_w_.operand(h * s_.d, 0, true), bias(h * s_.d), Q, arena, dot_rows);
   }
   /// Y[N, D] = C[N, H d] Wo^T + bo.
   void project_out(const ConstRowsRef<T>& C, RowsRef<T> Y, const Exec& exec) const {
@@ -126,9 +127,9 @@ class Projections {
   /// P[n, m] (+)= O_h[n, d] Wo[c0 : c0 + m, h d : (h+1) d]^T (no bias): output columns
   /// [c0, c0 + m) of head h, added to P when `accumulate`.
   void out_head(Index h, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0, bool accumulate,
-                Arena& arena) const {
+                Arena& arena, bool dot_rows) const {
     multiply<T>(O.data(), O.outerStride(), out_w_.operand(c0, h * s_.d, true), P.data(),
-                P.outerStride(), O.rows(), P.cols(), s_.d, accumulate, arena);
+                P.outerStride(), O.rows(), P.cols(), s_.d, accumulate, arena, dot_rows);
   }
   /// Y rows = output bias (or zero), before routed heads are added.
   void init_output(RowsRef<T> Y) const {

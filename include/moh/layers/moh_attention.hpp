@@ -571,7 +571,7 @@ class MoHAttention : public detail::AttentionLayer<MoHAttention<T>, T, MoHRoutin
       if (query_norm) {
         for (Index i = 0; i < Qh.rows(); ++i) Qh.row(i) = Q.row(rows[i]).segment(h * d, d);
       } else {
-        proj_.project_q_head(h, Xg, Qh, arena);
+        proj_.project_q_head(h, Xg, Qh, arena, p.exec.dot_rows);
       }
       if (transformed)
         for (Index i = 0; i < Qh.rows(); ++i) transform_query(Qh.row(i).data(), h);
@@ -581,7 +581,7 @@ class MoHAttention : public detail::AttentionLayer<MoHAttention<T>, T, MoHRoutin
     };
     auto project_out = [&](Index h, const ConstRowsRef<T>& O, RowsRef<T> P, Index c0,
                            bool accumulate, detail::Arena& arena) {
-      proj_.out_head(h, O, P, c0, accumulate, arena);
+      proj_.out_head(h, O, P, c0, accumulate, arena, p.exec.dot_rows);
     };
     const Index group = s.group();
     proj_.init_output(p.Y);

@@ -655,17 +655,21 @@ void few_rows_product(const T* A, Index lda, const Src* B, Index ldb, Index M, I
 constexpr Index kUnpackedRows = 32;
 
 /// C[M, N] (+)= A[M, K] B on this thread, by the cheapest route for the shape:
-///   - at most kDotRows rows against a transposed B: rows_product() (a decode step streams the
-///     weights once, unpacked);
+///   - at most kDotRows rows against a transposed B, or any rows with `dot_rows`: rows_product()
+///     (a decode step streams the weights once, unpacked);
 ///   - at most kFewRows rows against a [K, N] B of whole packets: few_rows_product();
 ///   - fewer than kUnpackedRows rows against a [K, N] B of whole packets: small_product();
 ///   - else gemm().
 /// The last three compute the same chain per element, so their results are bitwise equal.
+/// rows_product() rounds differently, so a row's bits would depend on how many rows share the
+/// call; `dot_rows` (a decode call's products, Exec::dot_rows) keeps every transposed product on
+/// rows_product(), whose rows do not depend on each other, so that a batch of sequences gives
+/// each sequence's bits alone whatever the batch size.
 template <class T>
 void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N,
-              Index K, bool accumulate, Arena& arena) {
+              Index K, bool accumulate, Arena& arena, bool dot_rows = false) {
   using S = GemmShape<T>;
-  if (B.transposed && M <= kDotRows) {
+  if (B.transposed && (M <= kDotRows || dot_rows)) {
     // One run of the storage (a head's panel) at a time; once when K = 0 (C = 0 or kept).
     B.for_each_run(K, [&](Index k, Index n, const GemmB<T>& s) {
       if (s.values)

@@ -32,25 +32,30 @@ inline Index linear_tile(Index n, Index minimum, Index align) {
 }
 
 /// Calls fn(row0, rows, col0, cols, thread) for each tile of an [rows, cols] output, on `pool`.
+/// A last row tile of at most kDotRows rows is merged into the one before: multiply() would take
+/// it as dot products, which round differently from the GEMM of the other tiles, and a row's bits
+/// would depend on where the tiling puts it (a sequence's memory alone and in a batch).
 template <class Fn>
 void for_each_linear_tile(Index rows, Index cols, ThreadPool* pool, Fn&& fn) {
   const Index row_tile = linear_tile(rows, 128, 16);
   const Index col_tile = linear_tile(cols, 256, 64);
-  const Index row_tiles = (rows + row_tile - 1) / row_tile;
+  Index row_tiles = (rows + row_tile - 1) / row_tile;
+  if (row_tiles > 1 && rows - (row_tiles - 1) * row_tile <= kDotRows) --row_tiles;
   const Index col_tiles = (cols + col_tile - 1) / col_tile;
   parallel_for(pool, row_tiles * col_tiles, [&](std::int64_t task, int thread) {
-    const Index r0 = (task / col_tiles) * row_tile, c0 = (task % col_tiles) * col_tile;
-    fn(r0, std::min(row_tile, rows - r0), c0, std::min(col_tile, cols - c0), thread);
+    const Index tile = task / col_tiles, r0 = tile * row_tile, c0 = (task % col_tiles) * col_tile;
+    const Index nr = tile + 1 == row_tiles ? rows - r0 : row_tile;
+    fn(r0, nr, c0, std::min(col_tile, cols - c0), thread);
   });
 }
 
 /// Y[N, out] = X[N, in] B (+ bias[out] when not null) on this thread, where B is a GEMM operand
-/// (a weight matrix read transposed: B = W^T) with `out` columns.
+/// (a weight matrix read transposed: B = W^T) with `out` columns; `dot_rows` as multiply()'s.
 template <class T>
 void project_rows(const ConstRowsRef<T>& X, const GemmB<T>& B, const T* bias, RowsRef<T> Y,
-                  Arena& arena) {
+                  Arena& arena, bool dot_rows = false) {
   multiply<T>(X.data(), X.outerStride(), B, Y.data(), Y.outerStride(), X.rows(), Y.cols(),
-              X.cols(), false, arena);
+              X.cols(), false, arena, dot_rows);
   if (bias != nullptr)
     Y.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, Y.cols());
 }
@@ -64,7 +69,7 @@ void project_tiles(const ConstRowsRef<T>& X, Operand operand, const T* bias, Row
                        [&](Index r0, Index nr, Index c0, Index nc, int thread) {
                          project_rows<T>(X.middleRows(r0, nr), operand(c0),
                                          bias ? bias + c0 : nullptr, Y.block(r0, c0, nr, nc),
-                                         exec.thread(thread));
+                                         exec.thread(thread), exec.dot_rows);
                        });
 }
 

@@ -251,6 +251,10 @@ struct WorkspaceAccess {
 struct Exec {
   ThreadPool* pool = nullptr;
   Workspace* ws = nullptr;
+  /// A decode call (at most kDotRows new tokens per sequence, against a cache): every product
+  /// against transposed weights goes through rows_product() whatever its row count (multiply()),
+  /// so that each sequence of a batch gets the bits it gets alone, for any batch size.
+  bool dot_rows = false;
   Arena& call() const { return WorkspaceAccess::call(*ws); }
   Arena& thread(int t) const { return WorkspaceAccess::thread(*ws, t); }
 };
