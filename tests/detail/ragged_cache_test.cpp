@@ -161,33 +161,39 @@ TEST(RaggedCache, LargeBatchJetMoE) {
                                                        "jetmoe, large batch", kLargeBatch);
 }
 
-// Decoding against a memory (forward_cross on a make_memory_cache cache) is a decode call too: a
-// batch of kLargeBatch sequences, one new token each, gives each sequence its bits alone. The
-// memory has more tokens than kDotRows, so that its keys and values, alone and in the batch, come
-// from the same GEMM (as the prompts above).
+// Decoding against a memory is a decode call too: a batch of kLargeBatch sequences, one new token
+// each, on a memory cache (make_memory_cache) gives each sequence its bits alone, and the same
+// bits as forward_cross with the memory tensor. Memories of at most kDotRows tokens are
+// projected as dot products, longer ones by the GEMM, alone and in the batch alike.
 template <class Layer>
 void expect_cross_batch_equals_alone(const typename Layer::Config& config, const std::string& what) {
   const Layer layer(config, 29);
-  const Index D = layer.embed_dim(), S = moh::detail::kDotRows + 3;
-  const moh::Tensor3<float> memory = moh_test::random_tensor<float>(kLargeBatch, S, D, 5);
-  const moh::Tensor3<float> x = moh_test::random_tensor<float>(kLargeBatch, 1, D, 6);
-  const moh::KvCache<float> cache = layer.make_memory_cache(memory);
-  const moh::Tensor3<float> got = moh_test::expect_same_bits_for_any_thread_count(
-      [&](moh::ThreadPool* pool) {
-        moh::ForwardOptions opts;
-        opts.pool = pool;
-        moh::Tensor3<float> y(kLargeBatch, 1, D);
-        layer.forward_cross(x, cache, y, opts);
-        return y;
-      },
-      what);
-  for (Index b = 0; b < kLargeBatch; ++b) {
-    const moh::Tensor3<float> m = memory.slice(Eigen::array<Index, 3>{b, 0, 0},
-                                               Eigen::array<Index, 3>{1, S, D});
-    const moh::KvCache<float> one = layer.make_memory_cache(m);
-    moh::Tensor3<float> y(1, 1, D);
-    layer.forward_cross(token(x, b, 0), one, y);
-    EXPECT_TRUE(BitEqual(y, token(got, b, 0))) << what << ": sequence " << b;
+  const Index D = layer.embed_dim();
+  for (Index S : {Index(5), moh::detail::kDotRows + 3}) {
+    const std::string where = what + ", memory of " + std::to_string(S);
+    const moh::Tensor3<float> memory = moh_test::random_tensor<float>(kLargeBatch, S, D, 5);
+    const moh::Tensor3<float> x = moh_test::random_tensor<float>(kLargeBatch, 1, D, 6);
+    const moh::KvCache<float> cache = layer.make_memory_cache(memory);
+    const moh::Tensor3<float> got = moh_test::expect_same_bits_for_any_thread_count(
+        [&](moh::ThreadPool* pool) {
+          moh::ForwardOptions opts;
+          opts.pool = pool;
+          moh::Tensor3<float> y(kLargeBatch, 1, D);
+          layer.forward_cross(x, cache, y, opts);
+          return y;
+        },
+        where);
+    moh::Tensor3<float> direct(kLargeBatch, 1, D);
+    layer.forward_cross(x, memory, direct);
+    EXPECT_TRUE(BitEqual(direct, got)) << where << ": forward_cross with the memory tensor";
+    for (Index b = 0; b < kLargeBatch; ++b) {
+      const moh::Tensor3<float> m = memory.slice(Eigen::array<Index, 3>{b, 0, 0},
+                                                 Eigen::array<Index, 3>{1, S, D});
+      const moh::KvCache<float> one = layer.make_memory_cache(m);
+      moh::Tensor3<float> y(1, 1, D);
+      layer.forward_cross(token(x, b, 0), one, y);
+      EXPECT_TRUE(BitEqual(y, token(got, b, 0))) << where << ": sequence " << b;
+    }
   }
 }
 

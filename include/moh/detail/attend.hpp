@@ -418,7 +418,7 @@ void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<
   if (pairs < plan.heads * kRoutedColumnRows || head_weight_bytes > kRoutedRowTileWeightBytes) {
     Index most = 0;
     for (Index h = 0; h < plan.heads; ++h) most = std::max(most, plan.count(h));
-    // A decode step's few rows: wide tiles, so that each head's weights (one contiguous panel
+    // A decode step's rows: wide tiles, so that each head's weights (one contiguous panel
     // per head, MoHAttention) stream in long runs rather than 128-column pieces.
     const Index tile = decode ? linear_tile(D_out, 256, 64) : kRoutedColumnTile;
     parallel_for(exec.pool, blocks_of(D_out, tile), [&](std::int64_t task, int thread) {

@@ -133,12 +133,15 @@ class AttentionLayer {
     check_call(x, y, opts, Kind::Cross);
     require_shape3(Derived::kName, "memory", memory, x.dimension(0), -1, shape_.D_kv);
     const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
-    const Exec exec = lease.exec();
+    // The memory projected as make_memory_cache() projects it, the queries as on a memory cache,
+    // so that the two forms give the same bits.
+    const Exec memory_exec = decode_exec(lease, memory.dimension(1));
+    const Exec exec = decode_exec(lease, x.dimension(1));
     const Arena::Scope scope(exec.call());
     // The memory's keys sit at positions 0.., the queries at position_offset..
     const RopeTable<T> key_rope = rope_table(0, memory.dimension(1), exec.call());
     const RopeTable<T> rope = rope_table(opts.position_offset, x.dimension(1), exec.call());
-    const KeyValues<T> kv = keys_values_of(memory, key_rope, opts.key_padding_mask, exec);
+    const KeyValues<T> kv = keys_values_of(memory, key_rope, opts.key_padding_mask, memory_exec);
     run(x, kv, rope, opts, Kind::Cross, y, routing, exec);
   }
 
@@ -174,7 +177,7 @@ class AttentionLayer {
     check_padding(opts.key_padding_mask, B, S, "key_padding_mask");
     KvCache<T> cache(B, shape_.Hkv, shape_.d, S);
     const WorkspaceLease lease(opts.workspace, opts.pool, Derived::kName);
-    const Exec exec = lease.exec();
+    const Exec exec = decode_exec(lease, S);  // forward_cross with the tensor projects it alike
     const Arena::Scope scope(exec.call());
     const RopeTable<T> rope = rope_table(0, S, exec.call());
     write_slots(projected(memory, rope, exec), B, S, opts.key_padding_mask, cache);
@@ -303,9 +306,10 @@ class AttentionLayer {
     return ConstMatrixMap<T>(v.data(), rows, cols);
   }
 
-  /// The Exec of a call against a cache with `tokens` new tokens per sequence: a decode step
-  /// (at most kDotRows tokens) takes every projection as dot products (Exec::dot_rows), so that
-  /// its rows do not depend on the batch's size.
+  /// The Exec of a decode-style call with `tokens` tokens per sequence (new tokens against a
+  /// cache, queries or a memory of cross-attention): at most kDotRows tokens take every product
+  /// against transposed weights as dot products (Exec::dot_rows), so that a sequence's rows do
+  /// not depend on how many sequences share the call.
   static Exec decode_exec(const WorkspaceLease& lease, Index tokens) {
     Exec exec = lease.exec();
     exec.dot_rows = tokens <= kDotRows;

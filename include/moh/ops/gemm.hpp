@@ -14,9 +14,10 @@
 // the target has FMA) over k = 0 .. K-1 in order, starting from C (accumulate) or zero, whatever
 // the blocking, the edge handling or the thread that runs it: a row of C does not depend on which
 // other rows or columns are computed in the same call, and the two give the same bits.
-// rows_product() (up to kDotRows rows against W^T in a decode step; any rows for the few outputs
-// of a router, project_dots() in linear.hpp) sums in packets and then reduces, so its bits
-// differ; multiply() picks it by shape alone, so results still never depend on the thread count.
+// rows_product() (up to kDotRows rows against W^T, or every row of a decode call: multiply()'s
+// dot_rows; any rows for the few outputs of a router, project_dots() in linear.hpp) sums in
+// packets and then reduces, so its bits differ; multiply() picks it by shape and by that flag
+// alone, so results still never depend on the thread count.
 #pragma once
 
 #include <algorithm>
@@ -540,8 +541,9 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
 
 /// Rows of A that few_rows_product() handles (decode steps); more go to the tiled products.
 constexpr Index kFewRows = 4;
-/// Rows of A that multiply() gives to rows_product() against a transposed operand: a decode step
-/// of up to 8 sequences reads the weights in place (through gemm(), a batch of 8 packed the
+/// Rows of A that multiply() gives to rows_product() against a transposed operand by count (a
+/// decode call gives it all its rows: dot_rows): a decode step of up to 8 sequences reads the
+/// weights in place (through gemm(), a batch of 8 packed the
 /// 16 MB of weights of a D = 1024 layer every step: 13% of the step, measured).
 constexpr Index kDotRows = 8;
 
@@ -600,8 +602,8 @@ void rows_product_group(const T* A, Index lda, const Src* W, Index ldw, Index j0
   }
 }
 
-/// C[n, count] (+)= A[n, K] W[count, K]^T (n <= kDotRows in a decode step; any n for a router's
-/// few outputs, project_dots()), straight from W's storage (T or bfloat16) without packing: each
+/// C[n, count] (+)= A[n, K] W[count, K]^T (a decode step's rows, a tile of a decode call's; any n
+/// for a router's few outputs, project_dots()), straight from W's storage (T or bfloat16) without packing: each
 /// weight is read once from memory (a group of 8 weight rows stays in L1 or L2 while the rows of
 /// A pass over it, two at a time, sharing its loads). Each C element sums packet-wise partial
 /// sums, then reduces them (and adds the sum to C when `accumulate`); a row of C does not depend

@@ -1,8 +1,8 @@
 // Linear projection Y = X W^T + b, with W stored [out, in] as torch.nn.Linear stores it.
 //
 // Every projection in moh is one GEMM over all rows (batch x tokens) at once (ops/gemm.hpp), or
-// dot products against W's rows for a decode step's few rows and for a router's few outputs
-// (project_dots). The parallel form splits Y into
+// dot products against W's rows for a decode step's few rows, for every row of a decode call
+// (Exec::dot_rows) and for a router's few outputs (project_dots). The parallel form splits Y into
 // fixed tiles whose size never depends on the thread count, so the result is bitwise identical
 // for any number of threads.
 #pragma once
@@ -34,7 +34,8 @@ inline Index linear_tile(Index n, Index minimum, Index align) {
 /// Calls fn(row0, rows, col0, cols, thread) for each tile of an [rows, cols] output, on `pool`.
 /// A last row tile of at most kDotRows rows is merged into the one before: multiply() would take
 /// it as dot products, which round differently from the GEMM of the other tiles, and a row's bits
-/// would depend on where the tiling puts it (a sequence's memory alone and in a batch).
+/// would depend on where the tiling puts it (a sequence's prompt or memory of more than kDotRows
+/// tokens, alone and at the end of a batch).
 template <class Fn>
 void for_each_linear_tile(Index rows, Index cols, ThreadPool* pool, Fn&& fn) {
   const Index row_tile = linear_tile(rows, 128, 16);
