@@ -664,7 +664,8 @@ constexpr Index kUnpackedRows = 32;
 ///   - else gemm().
 /// The last three compute the same chain per element, so their results are bitwise equal.
 /// rows_product() rounds differently, so a row's bits would depend on how many rows share the
-/// call; `dot_rows` (a decode call's products, Exec::dot_rows) keeps every transposed product on
+/// call; `dot_rows` (Exec::dot_rows: a decode step's, a cross-attention query's or a short
+/// memory's products, at most kDotRows tokens per sequence) keeps every transposed product on
 /// rows_product(), whose rows do not depend on each other, so that a batch of sequences gives
 /// each sequence's bits alone whatever the batch size.
 template <class T>

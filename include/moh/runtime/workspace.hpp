@@ -251,9 +251,10 @@ struct WorkspaceAccess {
 struct Exec {
   ThreadPool* pool = nullptr;
   Workspace* ws = nullptr;
-  /// A decode call (at most kDotRows new tokens per sequence, against a cache): every product
-  /// against transposed weights goes through rows_product() whatever its row count (multiply()),
-  /// so that each sequence of a batch gets the bits it gets alone, for any batch size.
+  /// Set for a decode-style call of few tokens per sequence (new tokens against a cache, the
+  /// queries or the memory of cross-attention; AttentionLayer::decode_exec): the products take
+  /// every row the same way whatever their row count, so that each sequence of a batch gets the
+  /// bits it gets alone, for any batch size (the route itself is the ops' business: multiply()).
   bool dot_rows = false;
   Arena& call() const { return WorkspaceAccess::call(*ws); }
   Arena& thread(int t) const { return WorkspaceAccess::thread(*ws, t); }
