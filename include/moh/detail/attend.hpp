@@ -403,7 +403,7 @@ void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<
   // A decode step's rows (few rows, or a decode call's: Exec::dot_rows) always go through P, so
   // that a row's bits do not depend on which other sequences of the batch use the same head (a
   // batch equals its sequences decoded alone): added in place, a GEMM's chain would start at Y.
-  const bool decode = n_rows <= kDotRows || exec.dot_rows;
+  const bool decode = dot_route(n_rows, exec.dot_rows);  // multiply()'s rule
   auto add_head = [&](Index h, Index lo, Index hi, Index c0, MatrixMap<T>& p, Arena& arena) {
     const Index n = hi - lo, m = p.cols();
     if (!decode && plan.rows[hi - 1] - plan.rows[lo] == n - 1) {  // add in place

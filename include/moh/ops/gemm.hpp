@@ -652,6 +652,9 @@ void few_rows_product(const T* A, Index lda, const Src* B, Index ldb, Index M, I
   }
 }
 
+/// Whether multiply() takes M rows against a transposed operand as dot products (rows_product()).
+inline bool dot_route(Index M, bool dot_rows) { return M <= kDotRows || dot_rows; }
+
 /// Rows of A below which multiply() runs a [K, N] operand unpacked: packing B would cost about
 /// as much as the product (a few tokens routed to one head or expert).
 constexpr Index kUnpackedRows = 32;
@@ -672,7 +675,7 @@ template <class T>
 void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, Index N,
               Index K, bool accumulate, Arena& arena, bool dot_rows = false) {
   using S = GemmShape<T>;
-  if (B.transposed && (M <= kDotRows || dot_rows)) {
+  if (B.transposed && dot_route(M, dot_rows)) {
     // One run of the storage (a head's panel) at a time; once when K = 0 (C = 0 or kept).
     B.for_each_run(K, [&](Index k, Index n, const GemmB<T>& s) {
       if (s.values)
