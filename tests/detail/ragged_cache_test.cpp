@@ -2,6 +2,8 @@
 // runtime/kv_cache.hpp): each step of the batch gives, row for row, the bits of each sequence
 // decoded alone in a cache of its own, on the calling thread and on pools of 1-3 threads, for
 // every layer kind; a sequence reset mid-way restarts at position 0 without touching the others.
+// The same holds for batches of more sequences than kDotRows, for bfloat16 and packed weights,
+// for a bfloat16 cache, and for calls of several new tokens per sequence, some of them padding.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -42,52 +44,82 @@ moh::Tensor3<float> token(const moh::Tensor3<float>& x, Index b, Index t) {
   return x.slice(Eigen::array<Index, 3>{b, t, 0}, Eigen::array<Index, 3>{1, 1, x.dimension(2)});
 }
 
-/// The step outputs [n, kSteps, D] of the ragged batch of n = prompt.dimension(0) sequences,
-/// decoded on `pool`: prompts of kPrompts[b] tokens (one call over kLongest tokens, then each
-/// sequence cut back to its own), then kSteps single-token steps; sequence kResetSequence is
-/// reset after step kResetAfter.
+/// How the steps decode: where the cache keeps keys and values, how many new tokens of each
+/// sequence one forward_cached call takes, and whether some of them are padding.
+struct Steps {
+  moh::CacheStorage storage = moh::CacheStorage::Native;
+  Index per_call = 1;
+  bool padded = false;  // new token i of sequence b is padding when (b + i) % 3 == 1
+  Index tokens() const { return kSteps * per_call; }
+};
+
+/// The new_token_padding_mask of call s for sequences [first, first + n) (empty unless padded).
+moh::Mask step_padding(const Steps& steps, Index first, Index n, Index s) {
+  moh::Mask mask(n, steps.per_call);
+  for (Index b = 0; b < n; ++b)
+    for (Index t = 0; t < steps.per_call; ++t)
+      mask(b, t) = steps.padded && (first + b + s * steps.per_call + t) % 3 == 1;
+  return mask;
+}
+
+/// New tokens [s * per_call, (s + 1) * per_call) of sequences [first, first + n) of x.
+moh::Tensor3<float> call_tokens(const moh::Tensor3<float>& x, const Steps& steps, Index first,
+                                Index n, Index s) {
+  return x.slice(Eigen::array<Index, 3>{first, s * steps.per_call, 0},
+                 Eigen::array<Index, 3>{n, steps.per_call, x.dimension(2)});
+}
+
+/// The step outputs [n, steps.tokens(), D] of the ragged batch of n = prompt.dimension(0)
+/// sequences, decoded on `pool`: prompts of kPrompts[b] tokens (one call over kLongest tokens,
+/// then each sequence cut back to its own), then kSteps calls of steps.per_call new tokens each;
+/// sequence kResetSequence is reset after call kResetAfter.
 template <class Layer>
 moh::Tensor3<float> ragged(const Layer& layer, const moh::Tensor3<float>& prompt,
-                           const moh::Tensor3<float>& steps, moh::ThreadPool* pool) {
-  const Index D = layer.embed_dim(), sequences = prompt.dimension(0);
-  moh::KvCache<float> cache = layer.make_cache(sequences, kLongest + kSteps);
+                           const moh::Tensor3<float>& x, const Steps& steps,
+                           moh::ThreadPool* pool) {
+  const Index D = layer.embed_dim(), sequences = prompt.dimension(0), n = steps.per_call;
+  moh::KvCache<float> cache = layer.make_cache(sequences, kLongest + steps.tokens(), steps.storage);
   moh::ForwardOptions opts;
   opts.pool = pool;
   moh::Tensor3<float> y(sequences, kLongest, D);
   layer.forward_cached(prompt, y, cache, opts);
   for (Index b = 0; b < sequences; ++b) cache.truncate(b, kPrompts[b]);
   EXPECT_TRUE(cache.ragged());
-  moh::Tensor3<float> out(sequences, kSteps, D);
+  moh::Tensor3<float> out(sequences, steps.tokens(), D);
   for (Index s = 0; s < kSteps; ++s) {
     if (s == kResetAfter) cache.reset(kResetSequence);
-    moh::Tensor3<float> x = steps.slice(Eigen::array<Index, 3>{0, s, 0},
-                                        Eigen::array<Index, 3>{sequences, 1, D});
-    moh::Tensor3<float> ys(sequences, 1, D);
-    layer.forward_cached(x, ys, cache, opts);
-    out.slice(Eigen::array<Index, 3>{0, s, 0}, Eigen::array<Index, 3>{sequences, 1, D}) = ys;
+    const moh::Mask padding = step_padding(steps, 0, sequences, s);
+    moh::ForwardOptions call = opts;
+    if (steps.padded) call.new_token_padding_mask = moh::map_mask(padding);
+    moh::Tensor3<float> ys(sequences, n, D);
+    layer.forward_cached(call_tokens(x, steps, 0, sequences, s), ys, cache, call);
+    out.slice(Eigen::array<Index, 3>{0, s * n, 0}, Eigen::array<Index, 3>{sequences, n, D}) = ys;
   }
-  EXPECT_EQ(cache.length(kResetSequence), kSteps - kResetAfter);
+  EXPECT_EQ(cache.length(kResetSequence), (kSteps - kResetAfter) * n);
   return out;
 }
 
 /// The same steps, each sequence alone in a cache of its own (the reset sequence's later steps
-/// in a fresh cache).
+/// in a fresh cache), with its own rows of the padding.
 template <class Layer>
 moh::Tensor3<float> alone(const Layer& layer, const moh::Tensor3<float>& prompt,
-                          const moh::Tensor3<float>& steps) {
-  const Index D = layer.embed_dim(), sequences = prompt.dimension(0);
-  moh::Tensor3<float> out(sequences, kSteps, D);
+                          const moh::Tensor3<float>& x, const Steps& steps) {
+  const Index D = layer.embed_dim(), sequences = prompt.dimension(0), n = steps.per_call;
+  moh::Tensor3<float> out(sequences, steps.tokens(), D);
   for (Index b = 0; b < sequences; ++b) {
-    moh::KvCache<float> cache = layer.make_cache(1, kLongest + kSteps);
+    moh::KvCache<float> cache = layer.make_cache(1, kLongest + steps.tokens(), steps.storage);
     moh::Tensor3<float> p = prompt.slice(Eigen::array<Index, 3>{b, 0, 0},
                                          Eigen::array<Index, 3>{1, kPrompts[b], D});
     moh::Tensor3<float> yp(1, kPrompts[b], D);
     layer.forward_cached(p, yp, cache);
     for (Index s = 0; s < kSteps; ++s) {
       if (b == kResetSequence && s == kResetAfter) cache.reset();
-      moh::Tensor3<float> ys(1, 1, D);
-      layer.forward_cached(token(steps, b, s), ys, cache);
-      out.slice(Eigen::array<Index, 3>{b, s, 0}, Eigen::array<Index, 3>{1, 1, D}) = ys;
+      const moh::Mask padding = step_padding(steps, b, 1, s);
+      moh::ForwardOptions call;
+      if (steps.padded) call.new_token_padding_mask = moh::map_mask(padding);
+      moh::Tensor3<float> ys(1, n, D);
+      layer.forward_cached(call_tokens(x, steps, b, 1, s), ys, cache, call);
+      out.slice(Eigen::array<Index, 3>{b, s * n, 0}, Eigen::array<Index, 3>{1, n, D}) = ys;
     }
   }
   return out;
@@ -96,16 +128,23 @@ moh::Tensor3<float> alone(const Layer& layer, const moh::Tensor3<float>& prompt,
 /// A ragged batch of `sequences` against each sequence alone.
 template <class Layer>
 void expect_ragged_equals_alone(const typename Layer::Config& config, const std::string& what,
-                                Index sequences = 3) {
+                                Index sequences = 3, const Steps& steps = {}) {
   ASSERT_LE(sequences, kMaxSequences);
   const Layer layer(config, 23);
   const Index D = layer.embed_dim();
   const moh::Tensor3<float> prompt = moh_test::random_tensor<float>(sequences, kLongest, D, 3);
-  const moh::Tensor3<float> steps = moh_test::random_tensor<float>(sequences, kSteps, D, 4);
-  const moh::Tensor3<float> expected = alone(layer, prompt, steps);
+  const moh::Tensor3<float> x = moh_test::random_tensor<float>(sequences, steps.tokens(), D, 4);
+  const moh::Tensor3<float> expected = alone(layer, prompt, x, steps);
   const moh::Tensor3<float> got = moh_test::expect_same_bits_for_any_thread_count(
-      [&](moh::ThreadPool* pool) { return ragged(layer, prompt, steps, pool); }, what);
+      [&](moh::ThreadPool* pool) { return ragged(layer, prompt, x, steps, pool); }, what);
   EXPECT_TRUE(BitEqual(got, expected)) << what << ": the ragged batch against each sequence alone";
+}
+
+/// `config` with its projections stored as `storage`.
+template <class Config>
+Config stored(Config config, moh::WeightStorage storage) {
+  config.weight_storage = storage;
+  return config;
 }
 
 TEST(RaggedCache, MhaGroupedQueryWithRope) {
@@ -159,6 +198,57 @@ TEST(RaggedCache, LargeBatchMoHLearnedRouter) {
 TEST(RaggedCache, LargeBatchJetMoE) {
   expect_ragged_equals_alone<moh::MoAAttention<float>>(moh::MoAConfig::jetmoe(128, 2, 6, 2, 32),
                                                        "jetmoe, large batch", kLargeBatch);
+}
+
+// The large batch with bfloat16 weights (widened in registers by the dot products), with the
+// panel copy of NativePacked weights beside the float ones, and with a bfloat16 cache.
+TEST(RaggedCache, LargeBatchStoredWeightsAndCaches) {
+  const Steps bf16_cache{moh::CacheStorage::BFloat16};
+  for (moh::WeightStorage storage : {moh::WeightStorage::BFloat16,
+                                     moh::WeightStorage::NativePacked}) {
+    const std::string what = storage == moh::WeightStorage::BFloat16 ? "bf16 weights" : "packed";
+    for (const Steps& steps : {Steps{}, bf16_cache}) {
+      const std::string how =
+          what + (steps.storage == moh::CacheStorage::BFloat16 ? ", bf16 cache" : "");
+      expect_ragged_equals_alone<moh::MultiHeadAttention<float>>(
+          stored(moh_test::mha_config(128, 8, 2, 32, true, true), storage), "mha, " + how,
+          kLargeBatch, steps);
+      expect_ragged_equals_alone<moh::MoHAttention<float>>(
+          stored(moh_test::moh_config(128, 8, 2, 4, moh::MoHRouterKind::QueryNorm, 2, 32, false,
+                                      true),
+                 storage),
+          "moh query-norm, " + how, kLargeBatch, steps);
+      expect_ragged_equals_alone<moh::MoAAttention<float>>(
+          stored(moh::MoAConfig::jetmoe(128, 2, 6, 2, 32), storage), "jetmoe, " + how,
+          kLargeBatch, steps);
+    }
+  }
+}
+
+// Calls of several new tokens per sequence (causal within the call), some of them padding
+// (new_token_padding_mask, stored with the token): up to kDotRows tokens per sequence a call is
+// a decode call whatever the batch, so each sequence still keeps its bits alone.
+TEST(RaggedCache, SeveralTokensPerCallWithPadding) {
+  {  // the padding changes what the steps give (else the cases below would not test it)
+    const moh::MultiHeadAttention<float> layer(moh_test::mha_config(128, 8, 2, 32, true, true), 23);
+    const moh::Tensor3<float> prompt = moh_test::random_tensor<float>(3, kLongest, 128, 3);
+    const moh::Tensor3<float> x = moh_test::random_tensor<float>(3, 3 * kSteps, 128, 4);
+    EXPECT_FALSE(BitEqual(alone(layer, prompt, x, Steps{moh::CacheStorage::Native, 3, true}),
+                          alone(layer, prompt, x, Steps{moh::CacheStorage::Native, 3, false})));
+  }
+  for (Index per_call : {Index{2}, Index{3}, moh::detail::kDotRows}) {
+    const Steps steps{moh::CacheStorage::Native, per_call, /*padded=*/true};
+    const std::string what = std::to_string(per_call) + " tokens per call, padded";
+    for (Index sequences : {Index{3}, kLargeBatch}) {
+      expect_ragged_equals_alone<moh::MultiHeadAttention<float>>(
+          moh_test::mha_config(128, 8, 2, 32, true, true), "mha, " + what, sequences, steps);
+      expect_ragged_equals_alone<moh::MoHAttention<float>>(
+          moh_test::moh_config(96, 6, 2, 2, moh::MoHRouterKind::Learned, 0, 16, true, true),
+          "moh learned, " + what, sequences, steps);
+      expect_ragged_equals_alone<moh::MoAAttention<float>>(
+          moh::MoAConfig::jetmoe(128, 2, 6, 2, 32), "jetmoe, " + what, sequences, steps);
+    }
+  }
 }
 
 // Decoding against a memory is a decode call too: a batch of kLargeBatch sequences, one new token
