@@ -350,6 +350,10 @@ void BM_MoH_Prefill_Llama(benchmark::State& state) {
 // reads memory, the limit of a decode step that streams its weights and cache once. The buffer
 // is a moh::LargeBuffer, like the layers' weights and caches (huge pages where the system
 // allows); 8 independent accumulators keep enough loads in flight. read_GBps = bytes / time.
+// On N threads each sums its own share (bytes / N): Google Benchmark reports the row's time as
+// the wall time over the iterations of all N threads (a share's time / N), so bytes / that
+// time counts the bytes N times; read_GBps, which it sums over the threads, is the N cores'
+// combined rate.
 // ---------------------------------------------------------------------------------------------
 void BM_MemRead(benchmark::State& state) {
   using P = Eigen::internal::packet_traits<float>::type;

@@ -236,15 +236,21 @@ def decode_section(runs, lines):
     lines.append("")
     rw = None
     read = reads[0].c("read_GBps") if reads else None
+    read_on = {r.p("threads"): r.c("read_GBps") for r in pair}  # threads -> combined rate
     if reads:
         lines.append(f"read of {reads[0].p('bytes') / 2**20:.0f} MiB (BM_MemRead, a vectorised "
                      f"sum on one core, huge pages where the system allows): "
                      f"{fmt(reads[0].ms, 2)} ms, {fmt(read, 2)} GB/s. `% of read` = total GB/s / "
                      "this rate: how close a step comes to streaming its bytes at the rate one "
                      "core reads memory.")
-        for r in pair:  # the threads' shares add up to `bytes`, read in the wall time
-            lines.append(f"On {r.p('threads')} threads (each reads its share): "
-                         f"{fmt(r.ms, 2)} ms, {fmt(r.p('bytes') / r.ms / 1e6, 2)} GB/s.")
+        for r in pair:
+            # Google Benchmark reports a threaded row's time as the wall time over the
+            # iterations of all its threads (half a share's read time on two threads), so the
+            # combined rate is read_GBps (every thread's bytes over that wall time), not bytes
+            # / time, which counts it twice.
+            lines.append(f"On {r.p('threads')} threads (each reads its share of the bytes): "
+                         f"{fmt(r.c('read_GBps'), 2)} GB/s together; `% of read` of a "
+                         f"`threads:{r.p('threads')}` row is against this rate.")
         lines.append("")
     if copy:
         m = copy[0]
@@ -287,6 +293,9 @@ def decode_section(runs, lines):
             b = base.get(variant(r))
             is_mha = r.family == "BM_MHA_Decode"
             tot = r.c("total_GBps")
+            if (r.p("threads") or 1) > 1 and r.c("step_MB") and r.c("wall_us"):
+                tot = r.c("step_MB") / r.c("wall_us") * 1e3  # its counters use CPU time
+            own_read = read_on.get(r.p("threads") or 1, read)  # the same cores' read rate
             rows.append([
                 f"({', '.join(str(v) for v in k)})",
                 ("MHA" if is_mha else "MoH") + (" bf16" if r.p("bf16") else "") +
@@ -297,7 +306,7 @@ def decode_section(runs, lines):
                 "-" if is_mha else f"{fmt(r.c('shared_heads'), 0)}/{fmt(r.c('routed_k'), 0)}",
                 fmt(step_us(r), 0), fmt(step_us(r) / step_us(b)) if b else "n/a",
                 fmt(r.c("kv_heads_read"), 0), fmt(r.c("step_MB"), 1), fmt(r.c("kv_GBps"), 1),
-                fmt(tot, 1), f"{100 * tot / read:.0f}%" if (tot and read) else "n/a",
+                fmt(tot, 1), f"{100 * tot / own_read:.0f}%" if (tot and own_read) else "n/a",
                 f"{100 * tot / rw:.0f}%" if (tot and rw) else "n/a",
                 fmt(r.c("GFLOPs"), 1), fmt(r.c("tokens_per_s"), 0), r.label or "",
             ])
