@@ -293,8 +293,8 @@ def decode_section(runs, lines):
             b = base.get(variant(r))
             is_mha = r.family == "BM_MHA_Decode"
             tot = r.c("total_GBps")
-            if (r.p("threads") or 1) > 1 and r.c("step_MB") and r.c("wall_us"):
-                tot = r.c("step_MB") / r.c("wall_us") * 1e3  # its counters use CPU time
+            if (r.p("threads") or 1) > 1 and r.c("step_MB") and step_us(r):
+                tot = r.c("step_MB") / step_us(r) * 1e3  # its rate counters use CPU time
             own_read = read_on.get(r.p("threads") or 1, read)  # the same cores' read rate
             rows.append([
                 f"({', '.join(str(v) for v in k)})",
