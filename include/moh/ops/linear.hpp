@@ -26,20 +26,28 @@ namespace detail {
 // Tiles of the parallel projection: at most 4 x 4 per GEMM so that each tile runs near full GEMM
 // speed, at least 128 rows x 256 columns, and never fewer than one tile per core on a ViT-sized
 // input. The grid depends on the shape only, never on the thread count.
-inline Index linear_tile(Index n, Index minimum, Index align) {
-  const Index quarter = (n + 3) / 4;
-  return std::max(minimum, (quarter + align - 1) / align * align);
+inline Index linear_tile(Index n, Index minimum, Index align, Index parts = 4) {
+  const Index part = (n + parts - 1) / parts;
+  return std::max(minimum, (part + align - 1) / align * align);
 }
+
+// Column tiles of a decode call's products (its few rows, or Exec::dot_rows): 16 per product, of
+// at least 64 columns. A tile's elements do not depend on its width on any route multiply() takes
+// for such rows, and sixteen let two threads that stream at different speeds (two cores sharing
+// the memory) finish a product within a sixteenth of each other: with four, the calling thread
+// of a two-thread LLaMA3-8B step waited 7-10% of the step.
+inline Index dot_tile(Index n) { return linear_tile(n, 64, 64, 16); }
 
 /// Calls fn(row0, rows, col0, cols, thread) for each tile of an [rows, cols] output, on `pool`.
 /// A last row tile of at most kDotRows rows is merged into the one before: multiply() would take
 /// it as dot products, which round differently from the GEMM of the other tiles, and a row's bits
 /// would depend on where the tiling puts it (a sequence's prompt or memory of more than kDotRows
 /// tokens, alone and at the end of a batch).
+/// With `dots` (a decode call's rows, multiply()'s dot_route()), dot_tile()'s column tiles.
 template <class Fn>
-void for_each_linear_tile(Index rows, Index cols, ThreadPool* pool, Fn&& fn) {
+void for_each_linear_tile(Index rows, Index cols, ThreadPool* pool, Fn&& fn, bool dots = false) {
   const Index row_tile = linear_tile(rows, 128, 16);
-  const Index col_tile = linear_tile(cols, 256, 64);
+  const Index col_tile = dots ? dot_tile(cols) : linear_tile(cols, 256, 64);
   Index row_tiles = (rows + row_tile - 1) / row_tile;
   if (row_tiles > 1 && rows - (row_tiles - 1) * row_tile <= kDotRows) --row_tiles;
   const Index col_tiles = (cols + col_tile - 1) / col_tile;
@@ -71,7 +79,8 @@ void project_tiles(const ConstRowsRef<T>& X, Operand operand, const T* bias, Row
                          project_rows<T>(X.middleRows(r0, nr), operand(c0),
                                          bias ? bias + c0 : nullptr, Y.block(r0, c0, nr, nc),
                                          exec.thread(thread), exec.dot_rows);
-                       });
+                       },
+                       dot_route(X.rows(), exec.dot_rows));
 }
 
 /// Y[N, out] = X[N, in] W[out, in]^T as dot products (rows_product(): each element sums in
