@@ -31,11 +31,13 @@ inline Index linear_tile(Index n, Index minimum, Index align, Index parts = 4) {
   return std::max(minimum, (part + align - 1) / align * align);
 }
 
-// Column tiles of a decode call's products (its few rows, or Exec::dot_rows): 16 per product, of
-// at least 64 columns. A tile's elements do not depend on its width on any route multiply() takes
-// for such rows, and sixteen let two threads that stream at different speeds (two cores sharing
-// the memory) finish a product within a sixteenth of each other: with four, the calling thread
-// of a two-thread LLaMA3-8B step waited 7-10% of the step.
+// Column tiles of a decode call's products (its few rows, or Exec::dot_rows) on a pool of more
+// than one thread: 16 per product, of at least 64 columns. No tile width enters an element's
+// arithmetic on any route multiply() takes for such rows, so here the grid may follow the pool
+// without changing a bit. Sixteen let two threads that stream at different speeds (two cores
+// sharing the memory) finish a product within a sixteenth of each other: with four, the calling
+// thread of a two-thread LLaMA3-8B step waited 7-10% of the step. On one thread the four wide
+// tiles stay (with sixteen, MoH-LLaMA3's step took a median 1.04x its time, measured).
 inline Index dot_tile(Index n) { return linear_tile(n, 64, 64, 16); }
 
 /// Calls fn(row0, rows, col0, cols, thread) for each tile of an [rows, cols] output, on `pool`.
@@ -43,7 +45,8 @@ inline Index dot_tile(Index n) { return linear_tile(n, 64, 64, 16); }
 /// it as dot products, which round differently from the GEMM of the other tiles, and a row's bits
 /// would depend on where the tiling puts it (a sequence's prompt or memory of more than kDotRows
 /// tokens, alone and at the end of a batch).
-/// With `dots` (a decode call's rows, multiply()'s dot_route()), dot_tile()'s column tiles.
+/// With `dots` (a decode call's rows, multiply()'s dot_route(), on several threads), dot_tile()'s
+/// column tiles.
 template <class Fn>
 void for_each_linear_tile(Index rows, Index cols, ThreadPool* pool, Fn&& fn, bool dots = false) {
   const Index row_tile = linear_tile(rows, 128, 16);
@@ -80,7 +83,8 @@ void project_tiles(const ConstRowsRef<T>& X, Operand operand, const T* bias, Row
                                          bias ? bias + c0 : nullptr, Y.block(r0, c0, nr, nc),
                                          exec.thread(thread), exec.dot_rows);
                        },
-                       dot_route(X.rows(), exec.dot_rows));
+                       dot_route(X.rows(), exec.dot_rows) && exec.pool != nullptr &&
+                           exec.pool->size() > 1);
 }
 
 /// Y[N, out] = X[N, in] W[out, in]^T as dot products (rows_product(): each element sums in
