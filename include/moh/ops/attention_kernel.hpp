@@ -173,10 +173,10 @@ constexpr bool tiled_head(Index d) {
 // copying: each key is used by so few queries that the copy costs more than the products.
 constexpr Index kPackedQueries = 8;
 
-// Over a bfloat16 cache the few-query kernels ask for the rows about this many bytes ahead of
-// the one they read: their multiply-adds (32 per key for 4 queries of 128, on half the bytes of
-// float) slow the issue of loads enough that the hardware prefetcher alone leaves memory idle
-// between them. A float cache is not prefetched: its kernels are bound by their loads. In the
+// Over a bfloat16 cache the few-query kernels of 3 or more queries ask for the rows about this
+// many bytes ahead of the one they read: their multiply-adds (32 per key for 4 queries of 128,
+// on half the bytes of float) slow the issue of loads enough that the hardware prefetcher alone
+// leaves memory idle between them. A float cache is not prefetched: its kernels are bound by their loads. In the
 // LLaMA3-8B decode step (4 queries of 128 per key/value head), old and new binaries alternated
 // for 12 rounds: with a bfloat16 cache the step took a median 0.95x its time without; with the
 // same prefetches over a float cache, 1.06x (6 rounds).
@@ -240,8 +240,8 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   const Index d = DP > 0 ? DP * L : head_dim;
   constexpr int KB = NQ >= 3 ? 2 : 4;
   constexpr int kSums = NQ * KB;
-  const Index row_bytes = d * static_cast<Index>(sizeof(Src));
-  const Index ahead = prefetch_rows(row_bytes);
+  [[maybe_unused]] const Index row_bytes = d * static_cast<Index>(sizeof(Src));
+  [[maybe_unused]] const Index ahead = prefetch_rows(row_bytes);
   Index c = 0;
   for (; c + KB <= nk; c += KB) {
     if constexpr (NQ >= 3 && kPrefetchFewQuery<Src>)
@@ -357,13 +357,15 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
     const Index n = std::min(run, nk - c0);
     const T* w = W + c0;
     const Src* vr = v + c0 * v_stride;
-    // Over a bfloat16 cache the first panel asks for whole rows ahead, up to the block's last
-    // (the later panels find them in the caches).
+    // Over a bfloat16 cache, for 3 or more queries (as the scores), the first panel asks for
+    // whole rows ahead, up to the block's last (the later panels find them in the caches); a
+    // head narrower than one panel is not prefetched.
     const Index row_bytes = d * static_cast<Index>(sizeof(Src));
     Index x0 = 0;
     if (NP * L <= d) {
       few_query_values_panel<T, NQ, NP, Src>(w, ldw, vr, v_stride, n, 0, A, lda,
-                                             kPrefetchFewQuery<Src> ? row_bytes : 0, nk - c0 - 1);
+                                             NQ >= 3 && kPrefetchFewQuery<Src> ? row_bytes : 0,
+                                             nk - c0 - 1);
       x0 = NP * L;
     }
     for (; x0 + NP * L <= d; x0 += NP * L)

@@ -3,8 +3,9 @@
 // Every projection in moh is one GEMM over all rows (batch x tokens) at once (ops/gemm.hpp), or
 // dot products against W's rows for a decode step's few rows, for every row of a decode call
 // (Exec::dot_rows) and for a router's few outputs (project_dots). The parallel form splits Y into
-// fixed tiles whose size never depends on the thread count, so the result is bitwise identical
-// for any number of threads.
+// tiles; no element's arithmetic depends on the tiles (a GEMM's grid follows the shape only; a
+// decode call's dot products split finer on a pool of several threads), so the result is
+// bitwise identical for any number of threads.
 #pragma once
 
 #include <algorithm>
@@ -25,7 +26,7 @@ namespace detail {
 
 // Tiles of the parallel projection: at most 4 x 4 per GEMM so that each tile runs near full GEMM
 // speed, at least 128 rows x 256 columns, and never fewer than one tile per core on a ViT-sized
-// input. The grid depends on the shape only, never on the thread count.
+// input. The grid depends on the shape only (dot_tile() below: and on whether there are threads).
 inline Index linear_tile(Index n, Index minimum, Index align, Index parts = 4) {
   const Index part = (n + parts - 1) / parts;
   return std::max(minimum, (part + align - 1) / align * align);
@@ -36,7 +37,7 @@ inline Index linear_tile(Index n, Index minimum, Index align, Index parts = 4) {
 // arithmetic on any route multiply() takes for such rows, so here the grid may follow the pool
 // without changing a bit. Sixteen let two threads that stream at different speeds (two cores
 // sharing the memory) finish a product within a sixteenth of each other: with four, the calling
-// thread of a two-thread LLaMA3-8B step waited 7-10% of the step. On one thread the four wide
+// thread of a two-thread LLaMA3-8B step waited 6-10% of the step. On one thread the four wide
 // tiles stay (with sixteen, MoH-LLaMA3's step took a median 1.04x its time, measured).
 inline Index dot_tile(Index n) { return linear_tile(n, 64, 64, 16); }
 
@@ -72,7 +73,7 @@ void project_rows(const ConstRowsRef<T>& X, const GemmB<T>& B, const T* bias, Ro
     Y.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, Y.cols());
 }
 
-/// The same over linear()'s fixed tiles of Y on exec's threads; operand(c0) is B from output
+/// The same over linear()'s tiles of Y on exec's threads; operand(c0) is B from output
 /// column c0 on.
 template <class T, class Operand>
 void project_tiles(const ConstRowsRef<T>& X, Operand operand, const T* bias, RowsRef<T> Y,
@@ -138,7 +139,7 @@ void linear_on(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, const T* bias
 
 }  // namespace detail
 
-/// Y[N, out] = X[N, in] W[out, in]^T: all rows at once, split over fixed tiles of Y run on
+/// Y[N, out] = X[N, in] W[out, in]^T: all rows at once, split over tiles of Y run on
 /// `pool` (null: this thread), with scratch from `workspace` (null: a temporary one). Y may not
 /// alias X or W. Shapes are checked (moh::Error).
 template <class T>

@@ -200,7 +200,7 @@ class WeightMatrix {
 
 namespace detail {
 
-/// Y[N, count] = X[N, in] W[first : first + count, :]^T (+ bias[count]) over linear()'s fixed
+/// Y[N, count] = X[N, in] W[first : first + count, :]^T (+ bias[count]) over linear()'s
 /// tiles of Y on exec's threads, read straight from W's storage (bfloat16 is widened as it is
 /// packed or loaded). Shapes are the caller's to check.
 template <class T>
