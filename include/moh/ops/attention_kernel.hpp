@@ -176,10 +176,10 @@ constexpr Index kPackedQueries = 8;
 // Over a bfloat16 cache the few-query kernels of 3 or more queries ask for the rows about this
 // many bytes ahead of the one they read: their multiply-adds (32 per key for 4 queries of 128,
 // on half the bytes of float) slow the issue of loads enough that the hardware prefetcher alone
-// leaves memory idle between them. A float cache is not prefetched: its kernels are bound by their loads. In the
-// LLaMA3-8B decode step (4 queries of 128 per key/value head), old and new binaries alternated
-// for 12 rounds: with a bfloat16 cache the step took a median 0.95x its time without; with the
-// same prefetches over a float cache, 1.06x (6 rounds).
+// leaves memory idle between them. A float cache is not prefetched: its kernels are bound by
+// their loads. In the LLaMA3-8B decode step (4 queries of 128 per key/value head), old and new
+// binaries alternated for 12 rounds: with a bfloat16 cache the step took a median 0.95x its time
+// without; with the same prefetches over a float cache, 1.06x (6 rounds).
 constexpr Index kPrefetchAhead = 4096;
 template <class Src>
 constexpr bool kPrefetchFewQuery = std::is_same_v<Src, std::uint16_t>;
