@@ -181,23 +181,12 @@ constexpr Index kPackedQueries = 8;
 // binaries alternated for 12 rounds: with a bfloat16 cache the step took a median 0.95x its time
 // without; with the same prefetches over a float cache, 1.06x (6 rounds).
 constexpr Index kPrefetchAhead = 4096;
-template <class Src>
-constexpr bool kPrefetchFewQuery = std::is_same_v<Src, std::uint16_t>;
+template <int NQ, class Src>
+constexpr bool kPrefetchFewQuery = NQ >= 3 && std::is_same_v<Src, std::uint16_t>;
 
 /// Rows ahead to prefetch for rows of `row_bytes`.
 inline Index prefetch_rows(Index row_bytes) {
   return std::max<Index>(1, kPrefetchAhead / std::max<Index>(1, row_bytes));
-}
-
-/// Asks for the `bytes` at p (a hint: it changes no result).
-inline void prefetch_bytes(const void* p, Index bytes) {
-#if defined(__GNUC__)
-  const char* c = static_cast<const char*>(p);
-  for (Index o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
-#else
-  (void)p;
-  (void)bytes;
-#endif
 }
 
 /// out[j] = the sum of the lanes of a[j] for j < 4. With AVX-512 floats the four sums share
@@ -244,7 +233,7 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   [[maybe_unused]] const Index ahead = prefetch_rows(row_bytes);
   Index c = 0;
   for (; c + KB <= nk; c += KB) {
-    if constexpr (NQ >= 3 && kPrefetchFewQuery<Src>)
+    if constexpr (kPrefetchFewQuery<NQ, Src>)
       for (int j = 0; j < KB; ++j)
         prefetch_bytes(k + std::min(c + ahead + j, nk - 1) * k_stride, row_bytes);
     P acc[NQ][KB];
@@ -364,7 +353,7 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
     Index x0 = 0;
     if (NP * L <= d) {
       few_query_values_panel<T, NQ, NP, Src>(w, ldw, vr, v_stride, n, 0, A, lda,
-                                             NQ >= 3 && kPrefetchFewQuery<Src> ? row_bytes : 0,
+                                             kPrefetchFewQuery<NQ, Src> ? row_bytes : 0,
                                              nk - c0 - 1);
       x0 = NP * L;
     }
