@@ -376,7 +376,7 @@ TEST(Multiply, ReachIsAPrefetchHintOnly) {
 
 TEST(RowsProduct, MatchesNaiveFromFloatAndBFloat16AndAccumulates) {
   for (Index n = 1; n <= moh::detail::kDotRows; ++n)
-    for (Index K : {1, 15, 16, 17, 100, 1027})
+    for (Index K : {1, 15, 16, 17, 100, 256, 257, 300, 1027})
       for (Index count : {1, 7, 8, 9, 70}) {
         SCOPED_TRACE(testing::Message() << "n=" << n << " K=" << K << " count=" << count);
         const Matrix<float> A = moh_test::random_matrix<float>(n, K, 13);
@@ -413,18 +413,31 @@ TEST(RowsProduct, AnElementDoesNotDependOnTheRowsOfWBesideIt) {
   }
 }
 
+// One row of A reads long rows of W in one stream, more rows take W in tiles of rows: the bits
+// of a row are the same either way, from float and from bfloat16 weights (short rows too).
 TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
-  const Index n = moh::detail::kDotRows - 1, K = 333, count = 29;  // pairs and a single row
-  const Matrix<float> A = moh_test::random_matrix<float>(n, K, 16);
-  const Matrix<float> W = moh_test::random_matrix<float>(count, K, 17);
-  Matrix<float> all(n, count);
-  moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, all.data(), count, false);
-  for (Index r = 0; r < n; ++r) {
-    Matrix<float> one(1, count);
-    moh::detail::rows_product<float>(A.data() + r * K, K, 1, W.data(), K, count, K, one.data(),
-                                     count, false);
-    EXPECT_TRUE(BitEqual(one, Matrix<float>(all.row(r)))) << "row " << r;
-  }
+  for (Index K : {moh::detail::kShortRow, Index(333), Index(1030)})
+    for (Index n : {Index(2), Index(3), moh::detail::kDotRows - 1, moh::detail::kDotRows}) {
+      SCOPED_TRACE(testing::Message() << "K=" << K << " n=" << n);
+      const Index count = 29;  // tiles of W rows and the rows left over
+      const Matrix<float> A = moh_test::random_matrix<float>(n, K, 16);
+      const Matrix<float> W = moh_test::random_matrix<float>(count, K, 17);
+      const BFloat16Copy w(W);
+      Matrix<float> all(n, count), all_b(n, count);
+      moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, all.data(), count,
+                                       false);
+      moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, all_b.data(),
+                                       count, false);
+      for (Index r = 0; r < n; ++r) {
+        Matrix<float> one(1, count), one_b(1, count);
+        moh::detail::rows_product<float>(A.data() + r * K, K, 1, W.data(), K, count, K,
+                                         one.data(), count, false);
+        moh::detail::rows_product<float>(A.data() + r * K, K, 1, w.bits.data(), K, count, K,
+                                         one_b.data(), count, false);
+        EXPECT_TRUE(BitEqual(one, Matrix<float>(all.row(r)))) << "row " << r;
+        EXPECT_TRUE(BitEqual(one_b, Matrix<float>(all_b.row(r)))) << "row " << r << ", bfloat16";
+      }
+    }
 }
 
 }  // namespace

@@ -554,47 +554,118 @@ constexpr Index kFewRows = 4;
 /// 16 MB of weights of a D = 1024 layer every step: 13% of the step, measured).
 constexpr Index kDotRows = 8;
 
-/// RA rows of rows_product(): the rows share each load of W.
+/// Rows of W up to this length are short (one head's slice of W_o, a router's rows):
+/// rows_product() gives each of them one chain, 8 rows at a time read one after the other (the
+/// core overlaps their chains); longer rows get kRowChains chains each.
+constexpr Index kShortRow = 256;
+
+/// Partial sums per long row of W in rows_product(), and the rows of W that two rows of A take
+/// at a time (3 x 2 x 4 accumulators in AVX-512's 32 registers; 1 x 2 x 4 in 16).
+///
+/// One row of A (a decode step of one sequence) reads W in one stream, row after row: the
+/// hardware prefetcher keeps a core's loads in flight, which it did not with 8 rows read side by
+/// side (one chain each, as short rows still are). In the LLaMA3-8B decode step (one thread, old
+/// and new moh_bench alternated, 3 repetitions each, medians of 6 rounds, session 12) that took
+/// the float step to 0.87x its time, bfloat16 weights to 0.89x and with a bfloat16 cache 0.83x;
+/// the 8-sequence step of a D = 1024 layer, whose products are bound by their loads from L1/L2
+/// rather than by memory, went to 1.05x with W one row at a time and 1.01x with tiles of 3 rows.
+constexpr int kRowChains = 4;
+#if defined(EIGEN_VECTORIZE_AVX512)
+constexpr int kLongRowTile = 3;
+#else
+constexpr int kLongRowTile = 1;
+#endif
+
+/// C[r, jj] (+)= A[r, :] . W[jj, :] for r < RA and jj < G, W's rows long (T or bfloat16,
+/// widened in registers): packet p of a row goes to chain p % kRowChains, the chains are added
+/// pairwise (0 + 2, 1 + 3; then 0 + 1; so on for more chains), reduced, and the last K % L
+/// products are added one by one. The G rows of W share each load of A and the RA rows of A
+/// each load of W; the bits of an element depend on neither G nor RA.
+template <class T, int G, int RA, class Src>
+EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, Index ldw, Index K,
+                                           T* C, Index ldc, bool accumulate) {
+  using P = GemmPacket<T>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
+  constexpr Index kStep = kRowChains * L;
+  const Index whole = K / L * L;
+  P acc[G][RA][kRowChains];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < RA; ++r)
+      for (int c = 0; c < kRowChains; ++c) acc[g][r][c] = Eigen::internal::pset1<P>(T(0));
+  const auto chain = [&](Index k, int c) {
+    P av[RA];
+    for (int r = 0; r < RA; ++r) av[r] = Eigen::internal::ploadu<P>(A + r * lda + k);
+    for (int g = 0; g < G; ++g) {
+      const P wv = load_packet<T>(W + g * ldw + k);
+      for (int r = 0; r < RA; ++r) acc[g][r][c] = Eigen::internal::pmadd(av[r], wv, acc[g][r][c]);
+    }
+  };
+  Index k = 0;
+  for (; k + kStep <= whole; k += kStep)
+    for (int c = 0; c < kRowChains; ++c) chain(k + c * L, c);
+  // The last whole packets, fewer than kRowChains; c stays a constant of the unrolled loop (an
+  // index known only at run time would keep the accumulators in memory).
+  for (int c = 0; c < kRowChains; ++c)
+    if (k + c * L < whole) chain(k + c * L, c);
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < RA; ++r) {
+      P* a = acc[g][r];
+      for (int half = kRowChains / 2; half > 0; half /= 2)
+        for (int c = 0; c < half; ++c) a[c] = Eigen::internal::padd(a[c], a[c + half]);
+      const T* ar = A + r * lda;
+      const Src* w = W + g * ldw;
+      T sum = Eigen::internal::predux(a[0]);
+      for (Index i = whole; i < K; ++i) sum += ar[i] * load_scalar<T>(w + i);
+      T& out = C[r * ldc + g];
+      out = accumulate ? out + sum : sum;
+    }
+}
+
+/// rows_product() over long rows of W: one row of A reads W in one stream, row after row
+/// (G = 1); more rows of A take W kLongRowTile rows at a time against pairs of A rows, so that
+/// the rows of A, re-read from L1/L2 for every tile of W, are read that many times less often.
+template <class T, class Src>
+void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count,
+                            Index K, T* C, Index ldc, bool accumulate) {
+  // Rows j .. j + G - 1 of W against every row of A, two at a time.
+  const auto tile = [&](Index j, auto g_tile) {
+    constexpr int G = decltype(g_tile)::value;
+    Index r = 0;
+    for (; r + 2 <= n; r += 2)
+      rows_product_long<T, G, 2>(A + r * lda, lda, W + j * ldw, ldw, K, C + r * ldc + j, ldc,
+                                 accumulate);
+    if (r < n)
+      rows_product_long<T, G, 1>(A + r * lda, lda, W + j * ldw, ldw, K, C + r * ldc + j, ldc,
+                                 accumulate);
+  };
+  Index j = 0;
+  if (n > 1)
+    for (; j + kLongRowTile <= count; j += kLongRowTile)
+      tile(j, std::integral_constant<int, kLongRowTile>{});
+  for (; j < count; ++j) tile(j, std::integral_constant<int, 1>{});
+}
+
+/// C[r, j0 + jj] (+)= A[r, :] . W[j0 + jj, :] for r < RA and jj < g <= 8, W's rows short
+/// (K <= kShortRow): one chain per row, the g rows one after the other, in memory order, so that
+/// the hardware prefetcher sees one stream rather than g runs of a few lines; the rows of A share
+/// each load of W.
 template <class T, int RA, class Src>
 void rows_product_group(const T* A, Index lda, const Src* W, Index ldw, Index j0, Index g,
                         Index K, T* C, Index ldc, bool accumulate) {
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
-  constexpr Index kGroup = 8;  // independent accumulators hide the FMA latency
-  constexpr Index kShortRow = 256;
+  constexpr Index kGroup = 8;
   const Index whole = K / L * L;
   P acc[RA][kGroup];
   for (int r = 0; r < RA; ++r)
     for (Index jj = 0; jj < kGroup; ++jj) acc[r][jj] = Eigen::internal::pset1<P>(T(0));
-  if (g == kGroup && K <= kShortRow) {
-    // Short rows (one head's slice): the group's rows one after the other, in memory order,
-    // so that the hardware prefetcher sees one stream rather than 8 runs of a few lines.
-    for (Index jj = 0; jj < kGroup; ++jj) {
-      const Src* w = W + (j0 + jj) * ldw;
-      for (Index k = 0; k < whole; k += L) {
-        const P wv = load_packet<T>(w + k);
-        for (int r = 0; r < RA; ++r)
-          acc[r][jj] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(A + r * lda + k), wv,
-                                              acc[r][jj]);
-      }
-    }
-  } else if (g == kGroup) {
+  for (Index jj = 0; jj < g; ++jj) {
+    const Src* w = W + (j0 + jj) * ldw;
     for (Index k = 0; k < whole; k += L) {
-      P av[RA];
-      for (int r = 0; r < RA; ++r) av[r] = Eigen::internal::ploadu<P>(A + r * lda + k);
-      for (Index jj = 0; jj < kGroup; ++jj) {
-        const P wv = load_packet<T>(W + (j0 + jj) * ldw + k);
-        for (int r = 0; r < RA; ++r) acc[r][jj] = Eigen::internal::pmadd(av[r], wv, acc[r][jj]);
-      }
-    }
-  } else {  // the last g < kGroup rows of W: their chains interleaved, as above
-    for (Index k = 0; k < whole; k += L) {
-      P av[RA];
-      for (int r = 0; r < RA; ++r) av[r] = Eigen::internal::ploadu<P>(A + r * lda + k);
-      for (Index jj = 0; jj < g; ++jj) {
-        const P wv = load_packet<T>(W + (j0 + jj) * ldw + k);
-        for (int r = 0; r < RA; ++r) acc[r][jj] = Eigen::internal::pmadd(av[r], wv, acc[r][jj]);
-      }
+      const P wv = load_packet<T>(w + k);
+      for (int r = 0; r < RA; ++r)
+        acc[r][jj] =
+            Eigen::internal::pmadd(Eigen::internal::ploadu<P>(A + r * lda + k), wv, acc[r][jj]);
     }
   }
   for (int r = 0; r < RA; ++r) {
@@ -610,14 +681,19 @@ void rows_product_group(const T* A, Index lda, const Src* W, Index ldw, Index j0
 }
 
 /// C[n, count] (+)= A[n, K] W[count, K]^T (a decode step's rows, a tile of a decode call's; any n
-/// for a router's few outputs, project_dots()), straight from W's storage (T or bfloat16) without packing: each
-/// weight is read once from memory (a group of 8 weight rows stays in L1 or L2 while the rows of
-/// A pass over it, two at a time, sharing its loads). Each C element sums packet-wise partial
-/// sums, then reduces them (and adds the sum to C when `accumulate`); a row of C does not depend
-/// on the other rows, nor on how many rows come with it.
+/// for a router's few outputs, project_dots()), straight from W's storage (T or bfloat16) without
+/// packing: each weight is read once from memory (a long row, or a group of 8 short rows, stays
+/// in L1 or L2 while the rows of A pass over it, two at a time, sharing its loads). Each C element
+/// sums packet-wise partial sums, then reduces them (and adds the sum to C when `accumulate`); a
+/// row of C does not depend on the other rows, nor on how many rows come with it, and an element
+/// does not depend on the rows of W beside it.
 template <class T, class Src>
 void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count, Index K,
                   T* C, Index ldc, bool accumulate) {
+  if (K > kShortRow) {
+    rows_product_long_rows<T>(A, lda, n, W, ldw, count, K, C, ldc, accumulate);
+    return;
+  }
   constexpr Index kGroup = 8;
   for (Index j0 = 0; j0 < count; j0 += kGroup) {
     const Index g = std::min(kGroup, count - j0);
