@@ -173,16 +173,17 @@ constexpr bool tiled_head(Index d) {
 // copying: each key is used by so few queries that the copy costs more than the products.
 constexpr Index kPackedQueries = 8;
 
-// Over a bfloat16 cache the few-query kernels of 3 or more queries ask for the rows about this
-// many bytes ahead of the one they read: their multiply-adds (32 per key for 4 queries of 128,
-// on half the bytes of float) slow the issue of loads enough that the hardware prefetcher alone
-// leaves memory idle between them. A float cache is not prefetched: its kernels are bound by
-// their loads. In the LLaMA3-8B decode step (4 queries of 128 per key/value head), old and new
-// binaries alternated for 12 rounds: with a bfloat16 cache the step took a median 0.95x its time
-// without; with the same prefetches over a float cache, 1.06x (6 rounds).
+// The few-query kernels of 3 or more queries ask for the rows about this many bytes ahead of
+// the one they read: their multiply-adds (32 per key for 4 queries of 128) slow the issue of
+// loads enough that the hardware prefetcher alone leaves memory idle between them. In the
+// LLaMA3-8B decode step (4 queries of 128 per key/value head), old and new binaries alternated
+// (3 repetitions each per round): over a bfloat16 cache the step took a median 0.95x its time
+// without (12 rounds, session 11); over a float cache 0.90x (6 rounds, session 12, once the
+// projections read their weights in one stream; before that, with the weights read 8 rows side
+// by side, 1.06x in session 9). One query or two are bound by their loads and not prefetched.
 constexpr Index kPrefetchAhead = 4096;
-template <int NQ, class Src>
-constexpr bool kPrefetchFewQuery = NQ >= 3 && std::is_same_v<Src, std::uint16_t>;
+template <int NQ>
+constexpr bool kPrefetchFewQuery = NQ >= 3;
 
 /// Rows ahead to prefetch for rows of `row_bytes`.
 inline Index prefetch_rows(Index row_bytes) {
@@ -233,7 +234,7 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   [[maybe_unused]] const Index ahead = prefetch_rows(row_bytes);
   Index c = 0;
   for (; c + KB <= nk; c += KB) {
-    if constexpr (kPrefetchFewQuery<NQ, Src>)
+    if constexpr (kPrefetchFewQuery<NQ>)
       for (int j = 0; j < KB; ++j)
         prefetch_bytes(k + std::min(c + ahead + j, nk - 1) * k_stride, row_bytes);
     P acc[NQ][KB];
@@ -346,14 +347,14 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
     const Index n = std::min(run, nk - c0);
     const T* w = W + c0;
     const Src* vr = v + c0 * v_stride;
-    // Over a bfloat16 cache, for 3 or more queries (as the scores), the first panel asks for
-    // whole rows ahead, up to the block's last (the later panels find them in the caches); a
-    // head narrower than one panel is not prefetched.
+    // For 3 or more queries (as the scores), the first panel asks for whole rows ahead, up to
+    // the block's last (the later panels find them in the caches); a head narrower than one
+    // panel is not prefetched.
     const Index row_bytes = d * static_cast<Index>(sizeof(Src));
     Index x0 = 0;
     if (NP * L <= d) {
       few_query_values_panel<T, NQ, NP, Src>(w, ldw, vr, v_stride, n, 0, A, lda,
-                                             kPrefetchFewQuery<NQ, Src> ? row_bytes : 0,
+                                             kPrefetchFewQuery<NQ> ? row_bytes : 0,
                                              nk - c0 - 1);
       x0 = NP * L;
     }
