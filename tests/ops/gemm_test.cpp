@@ -397,26 +397,66 @@ TEST(RowsProduct, MatchesNaiveFromFloatAndBFloat16AndAccumulates) {
       }
 }
 
-// The last rows of W that do not fill a group of 8 are the same chains as in a whole group:
-// every count of rows gives each element the bits it has in a larger product.
+// The last rows of W that fill no group of 8 short rows, or no tile of 3 long rows, are the same
+// chains as in a whole group or tile: every count of rows gives each element the bits it has in
+// a larger product.
 TEST(RowsProduct, AnElementDoesNotDependOnTheRowsOfWBesideIt) {
-  const Index n = 3, K = 301, most = 19;
-  const Matrix<float> A = moh_test::random_matrix<float>(n, K, 26);
-  const Matrix<float> W = moh_test::random_matrix<float>(most, K, 27);
-  Matrix<float> all(n, most);
-  moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, most, K, all.data(), most, false);
-  for (Index count = 1; count < most; ++count) {
-    Matrix<float> some(n, count);
-    moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, some.data(), count,
+  const Index n = 3, most = 19;
+  for (Index K : {Index(100), Index(301)}) {
+    SCOPED_TRACE(testing::Message() << "K=" << K);
+    const Matrix<float> A = moh_test::random_matrix<float>(n, K, 26);
+    const Matrix<float> W = moh_test::random_matrix<float>(most, K, 27);
+    Matrix<float> all(n, most);
+    moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, most, K, all.data(), most,
                                      false);
-    EXPECT_TRUE(BitEqual(some, Matrix<float>(all.leftCols(count)))) << count << " rows of W";
+    for (Index count = 1; count < most; ++count) {
+      Matrix<float> some(n, count);
+      moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, some.data(), count,
+                                       false);
+      EXPECT_TRUE(BitEqual(some, Matrix<float>(all.leftCols(count)))) << count << " rows of W";
+    }
+  }
+}
+
+// Strided A, W and C (views into larger matrices), short and long rows, float and bfloat16,
+// accumulating: the product is right and nothing outside C's block changes.
+TEST(RowsProduct, ReadsStridedViewsAndLeavesTheRestOfCAlone) {
+  const Index n = 5, count = 11, pad = 7;
+  for (Index K : {Index(200), Index(309)}) {
+    SCOPED_TRACE(testing::Message() << "K=" << K);
+    const Matrix<float> Abig = moh_test::random_matrix<float>(n + 2, K + pad, 30);
+    const Matrix<float> Wbig = moh_test::random_matrix<float>(count + 3, K + pad, 31);
+    const BFloat16Copy wb(Wbig);
+    for (bool bf16 : {false, true}) {
+      Matrix<float> Cbig = moh_test::random_matrix<float>(n + 4, count + pad, 32);
+      const Matrix<float> before = Cbig;
+      const float* a = Abig.data() + 1 * Abig.cols() + 2;
+      const Index w_offset = 2 * Wbig.cols() + 3, ldw = Wbig.cols();
+      float* c = Cbig.data() + 3 * Cbig.cols() + 4;
+      if (bf16)
+        moh::detail::rows_product<float>(a, Abig.cols(), n, wb.bits.data() + w_offset, ldw, count,
+                                         K, c, Cbig.cols(), true);
+      else
+        moh::detail::rows_product<float>(a, Abig.cols(), n, Wbig.data() + w_offset, ldw, count, K,
+                                         c, Cbig.cols(), true);
+      const Matrix<float>& Wsrc = bf16 ? wb.widened : Wbig;
+      const Matrix<double> want =
+          before.block(3, 4, n, count).cast<double>() +
+          Abig.block(1, 2, n, K).cast<double>() *
+              Wsrc.block(2, 3, count, K).cast<double>().transpose();
+      EXPECT_LE(moh_test::max_abs_diff(Cbig.block(3, 4, n, count), want), 1e-6 * (K + 2))
+          << (bf16 ? "bfloat16" : "float");
+      Matrix<float> outside = Cbig;
+      outside.block(3, 4, n, count) = before.block(3, 4, n, count);
+      EXPECT_TRUE(BitEqual(outside, before)) << (bf16 ? "bfloat16" : "float");
+    }
   }
 }
 
 // One row of A reads long rows of W in one stream, more rows take W in tiles of rows: the bits
 // of a row are the same either way, from float and from bfloat16 weights (short rows too).
 TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
-  for (Index K : {moh::detail::kShortRow, Index(333), Index(1030)})
+  for (Index K : {moh::detail::kShortRow, Index(300), Index(333), Index(1030)})
     for (Index n : {Index(2), Index(3), moh::detail::kDotRows - 1, moh::detail::kDotRows}) {
       SCOPED_TRACE(testing::Message() << "K=" << K << " n=" << n);
       const Index count = 29;  // tiles of W rows and the rows left over

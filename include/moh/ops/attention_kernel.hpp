@@ -178,9 +178,10 @@ constexpr Index kPackedQueries = 8;
 // loads enough that the hardware prefetcher alone leaves memory idle between them. In the
 // LLaMA3-8B decode step (4 queries of 128 per key/value head), old and new binaries alternated
 // (3 repetitions each per round): over a bfloat16 cache the step took a median 0.95x its time
-// without (12 rounds, session 11); over a float cache 0.90x (6 rounds, session 12, once the
-// projections read their weights in one stream; before that, with the weights read 8 rows side
-// by side, 1.06x in session 9). One query or two are bound by their loads and not prefetched.
+// without (12 rounds, session 11, Zen 4); over a float cache 0.90x (6 rounds, session 12, Zen 5,
+// once the projections read their weights in one stream; in session 11, on Zen 4 with the
+// weights read 8 rows side by side, 1.06x). One query or two read at a plain sum's rate and are
+// not prefetched.
 constexpr Index kPrefetchAhead = 4096;
 template <int NQ>
 constexpr bool kPrefetchFewQuery = NQ >= 3;

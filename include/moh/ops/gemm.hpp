@@ -554,22 +554,26 @@ constexpr Index kFewRows = 4;
 /// 16 MB of weights of a D = 1024 layer every step: 13% of the step, measured).
 constexpr Index kDotRows = 8;
 
-/// Rows of W up to this length are short (one head's slice of W_o, a router's rows):
-/// rows_product() gives each of them one chain, 8 rows at a time read one after the other (the
-/// core overlaps their chains); longer rows get kRowChains chains each.
+/// Rows of W up to this length are short (one head's slice of W_o): rows_product() gives each
+/// of them one chain, 8 rows at a time read one after the other (the core overlaps their
+/// chains); longer rows (a projection's, a router's) get kRowChains chains each.
 constexpr Index kShortRow = 256;
 
 /// Partial sums per long row of W in rows_product(), and the rows of W that two rows of A take
 /// at a time (3 x 2 x 4 accumulators in AVX-512's 32 registers; 1 x 2 x 4 in 16).
 ///
-/// One row of A (a decode step of one sequence) reads W in one stream, row after row: the
-/// hardware prefetcher keeps a core's loads in flight, which it did not with 8 rows read side by
-/// side (one chain each, as short rows still are). In the LLaMA3-8B decode step (one thread, old
-/// and new moh_bench alternated, 3 repetitions each, medians of 6 rounds, session 12) that took
-/// the float step to 0.87x its time, bfloat16 weights to 0.89x and with a bfloat16 cache 0.83x;
-/// the 8-sequence step of a D = 1024 layer, whose products are bound by their loads from L1/L2
-/// rather than by memory, went to 1.05x with W one row at a time and 1.01x with tiles of 3 rows.
+/// One row of A (a decode step of one sequence) reads W in one stream, row after row: on Zen 5
+/// the hardware prefetcher keeps a core's loads in flight that way, which it did not with 8 rows
+/// read side by side (one chain each, as short rows still are). In the LLaMA3-8B decode step
+/// (one thread, old and new moh_bench alternated, 3 repetitions each, medians of 6 rounds,
+/// session 12) that took the float step to 0.87x its time, bfloat16 weights to 0.89x and with a
+/// bfloat16 cache 0.83x (whole decode-set runs, noisier: 0.83x, 0.90x, 0.98x). The 8-sequence
+/// step of a D = 1024 layer, whose products are bound by loads from L1/L2 rather than memory,
+/// went to 1.05x with W one row at a time and 1.01x with tiles of 3 rows (decode-set runs:
+/// 1.06x). On Zen 4, session 9 had measured one row at a time 8% slower than 8 side by side
+/// (standalone); it was not measured there again.
 constexpr int kRowChains = 4;
+static_assert((kRowChains & (kRowChains - 1)) == 0, "the chains are added pairwise");
 #if defined(EIGEN_VECTORIZE_AVX512)
 constexpr int kLongRowTile = 3;
 #else
@@ -682,11 +686,11 @@ void rows_product_group(const T* A, Index lda, const Src* W, Index ldw, Index j0
 
 /// C[n, count] (+)= A[n, K] W[count, K]^T (a decode step's rows, a tile of a decode call's; any n
 /// for a router's few outputs, project_dots()), straight from W's storage (T or bfloat16) without
-/// packing: each weight is read once from memory (a long row, or a group of 8 short rows, stays
-/// in L1 or L2 while the rows of A pass over it, two at a time, sharing its loads). Each C element
-/// sums packet-wise partial sums, then reduces them (and adds the sum to C when `accumulate`); a
-/// row of C does not depend on the other rows, nor on how many rows come with it, and an element
-/// does not depend on the rows of W beside it.
+/// packing: each weight is read once from memory (a long row, a tile of long rows, or a group
+/// of 8 short rows stays in L1 or L2 while the rows of A pass over it, two at a time, sharing
+/// its loads). Each C element sums packet-wise partial sums, then reduces them (and adds the sum
+/// to C when `accumulate`); a row of C does not depend on the other rows, nor on how many rows
+/// come with it, and an element does not depend on the rows of W beside it.
 template <class T, class Src>
 void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count, Index K,
                   T* C, Index ldc, bool accumulate) {
