@@ -580,6 +580,15 @@ constexpr int kLongRowTile = 3;
 constexpr int kLongRowTile = 1;
 #endif
 
+/// Calls fn(r, std::integral_constant<int, RA>{}) for rows r of A, RA = 2 at a time, then RA = 1
+/// for the last row of an odd n: the rows of rows_product()'s kernels that share each load of W.
+template <class Fn>
+EIGEN_ALWAYS_INLINE void for_row_pairs(Index n, Fn&& fn) {
+  Index r = 0;
+  for (; r + 2 <= n; r += 2) fn(r, std::integral_constant<int, 2>{});
+  if (r < n) fn(r, std::integral_constant<int, 1>{});
+}
+
 /// C[r, jj] (+)= A[r, :] . W[jj, :] for r < RA and jj < G, W's rows long (T or bfloat16,
 /// widened in registers): packet p of a row goes to chain p % kRowChains, the chains are added
 /// pairwise (0 + 2, 1 + 3; then 0 + 1; so on for more chains), reduced, and the last K % L
@@ -634,13 +643,10 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
   // Rows j .. j + G - 1 of W against every row of A, two at a time.
   const auto tile = [&](Index j, auto g_tile) {
     constexpr int G = decltype(g_tile)::value;
-    Index r = 0;
-    for (; r + 2 <= n; r += 2)
-      rows_product_long<T, G, 2>(A + r * lda, lda, W + j * ldw, ldw, K, C + r * ldc + j, ldc,
-                                 accumulate);
-    if (r < n)
-      rows_product_long<T, G, 1>(A + r * lda, lda, W + j * ldw, ldw, K, C + r * ldc + j, ldc,
-                                 accumulate);
+    for_row_pairs(n, [&](Index r, auto ra) {
+      rows_product_long<T, G, decltype(ra)::value>(A + r * lda, lda, W + j * ldw, ldw, K,
+                                                   C + r * ldc + j, ldc, accumulate);
+    });
   };
   Index j = 0;
   if (n > 1)
@@ -701,11 +707,10 @@ void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index
   constexpr Index kGroup = 8;
   for (Index j0 = 0; j0 < count; j0 += kGroup) {
     const Index g = std::min(kGroup, count - j0);
-    Index r = 0;
-    for (; r + 2 <= n; r += 2)
-      rows_product_group<T, 2>(A + r * lda, lda, W, ldw, j0, g, K, C + r * ldc, ldc, accumulate);
-    if (r < n)
-      rows_product_group<T, 1>(A + r * lda, lda, W, ldw, j0, g, K, C + r * ldc, ldc, accumulate);
+    for_row_pairs(n, [&](Index r, auto ra) {
+      rows_product_group<T, decltype(ra)::value>(A + r * lda, lda, W, ldw, j0, g, K,
+                                                 C + r * ldc, ldc, accumulate);
+    });
   }
 }
 
