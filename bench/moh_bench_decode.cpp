@@ -42,9 +42,12 @@
 // bytes per step. wall_us: wall-clock time per step; the `threads:N` rows compare by it (their
 // reported time is the calling thread's CPU time, so that the names carry no /real_time).
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <set>
+#include <string>
 #include <thread>
 
 #include "bench_common.hpp"
@@ -404,6 +407,36 @@ void BM_MemCopy(benchmark::State& state) {
       2.0 * static_cast<double>(n) * static_cast<double>(state.iterations()) * 1e-9,
       benchmark::Counter::kIsRate);
 }
+
+// A whole decimal number from environment variable `name` in [lo, hi], or `fallback` when it is
+// not set; anything else ends the program with a message that names the variable, the range and
+// the text given.
+int env_int(const char* name, int lo, int hi, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || x < lo || x > hi) {
+    std::fprintf(stderr, "%s: expected a whole number in [%d, %d], got \"%s\"\n", name, lo, hi,
+                 v);
+    std::exit(2);
+  }
+  return static_cast<int>(x);
+}
+
+// MOH_WEIGHT_STREAMS=n and MOH_PREFETCH_FLOAT_CACHE=0|1 replace the kernel tuning chosen for
+// this CPU (moh::KernelTuning), so that one binary can compare read patterns in separate runs;
+// the tuning a run used is in its context (JSON "context").
+[[maybe_unused]] const bool tuned = [] {
+  moh::KernelTuning t = moh::kernel_tuning();
+  t.weight_streams =
+      env_int("MOH_WEIGHT_STREAMS", 1, moh::KernelTuning::kMaxWeightStreams, t.weight_streams);
+  t.prefetch_float_cache = env_int("MOH_PREFETCH_FLOAT_CACHE", 0, 1, t.prefetch_float_cache) != 0;
+  moh::set_kernel_tuning(t);
+  benchmark::AddCustomContext("moh_weight_streams", std::to_string(t.weight_streams));
+  benchmark::AddCustomContext("moh_prefetch_float_cache", t.prefetch_float_cache ? "1" : "0");
+  return true;
+}();
 
 constexpr Index kContexts[] = {512, 4096, 16384};
 constexpr Index kDecodePct[] = {50, 75, 100};

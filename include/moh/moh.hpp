@@ -14,6 +14,7 @@
 #include "moh/runtime/kv_cache.hpp"
 #include "moh/runtime/large_buffer.hpp"
 #include "moh/runtime/thread_pool.hpp"
+#include "moh/runtime/tuning.hpp"
 #include "moh/runtime/workspace.hpp"
 
 #include "moh/ops/attention_kernel.hpp"

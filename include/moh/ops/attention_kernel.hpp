@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "moh/ops/gemm.hpp"
+#include "moh/runtime/tuning.hpp"
 #include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
 
@@ -178,13 +179,18 @@ constexpr Index kPackedQueries = 8;
 // loads enough that the hardware prefetcher alone leaves memory idle between them. In the
 // LLaMA3-8B decode step (4 queries of 128 per key/value head), old and new binaries alternated
 // (3 repetitions each per round): over a bfloat16 cache the step took a median 0.95x its time
-// without (12 rounds, session 11, Zen 4); over a float cache 0.90x (6 rounds, session 12, Zen 5,
-// once the projections read their weights in one stream; in session 11, on Zen 4 with the
-// weights read 8 rows side by side, 1.06x). One query or two read at a plain sum's rate and are
-// not prefetched.
+// without (12 rounds, session 11, Zen 4), so a bfloat16 cache is always prefetched. Over a float
+// cache it took 0.90x on Zen 5 (6 rounds, session 12) but 1.06x on Zen 4 (session 11, weights
+// then read 8 rows side by side; not re-measured with six): float caches are prefetched where
+// KernelTuning::prefetch_float_cache says. One query or two read at
+// a plain sum's rate and are not prefetched.
 constexpr Index kPrefetchAhead = 4096;
-template <int NQ>
-constexpr bool kPrefetchFewQuery = NQ >= 3;
+
+/// Whether the few-query kernels of NQ queries prefetch a cache of Src for compute type T.
+template <class T, int NQ, class Src>
+bool prefetch_few_query() {
+  return NQ >= 3 && (!std::is_same<Src, T>::value || prefetch_float_cache());
+}
 
 /// Rows ahead to prefetch for rows of `row_bytes`.
 inline Index prefetch_rows(Index row_bytes) {
@@ -231,11 +237,12 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   const Index d = DP > 0 ? DP * L : head_dim;
   constexpr int KB = NQ >= 3 ? 2 : 4;
   constexpr int kSums = NQ * KB;
-  [[maybe_unused]] const Index row_bytes = d * static_cast<Index>(sizeof(Src));
-  [[maybe_unused]] const Index ahead = prefetch_rows(row_bytes);
+  const Index row_bytes = d * static_cast<Index>(sizeof(Src));
+  const Index ahead = prefetch_rows(row_bytes);
+  const bool prefetch = prefetch_few_query<T, NQ, Src>();
   Index c = 0;
   for (; c + KB <= nk; c += KB) {
-    if constexpr (kPrefetchFewQuery<NQ>)
+    if (prefetch)
       for (int j = 0; j < KB; ++j)
         prefetch_bytes(k + std::min(c + ahead + j, nk - 1) * k_stride, row_bytes);
     P acc[NQ][KB];
@@ -355,7 +362,7 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
     Index x0 = 0;
     if (NP * L <= d) {
       few_query_values_panel<T, NQ, NP, Src>(w, ldw, vr, v_stride, n, 0, A, lda,
-                                             kPrefetchFewQuery<NQ> ? row_bytes : 0,
+                                             prefetch_few_query<T, NQ, Src>() ? row_bytes : 0,
                                              nk - c0 - 1);
       x0 = NP * L;
     }

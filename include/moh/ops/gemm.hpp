@@ -29,6 +29,7 @@
 #endif
 
 #include "moh/float16.hpp"
+#include "moh/runtime/tuning.hpp"
 #include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
 
@@ -562,22 +563,25 @@ constexpr Index kShortRow = 256;
 /// Partial sums per long row of W in rows_product(), and the rows of W that two rows of A take
 /// at a time (3 x 2 x 4 accumulators in AVX-512's 32 registers; 1 x 2 x 4 in 16).
 ///
-/// One row of A (a decode step of one sequence) reads W in one stream, row after row: on Zen 5
-/// the hardware prefetcher keeps a core's loads in flight that way, which it did not with 8 rows
-/// read side by side (one chain each, as short rows still are). In the LLaMA3-8B decode step
-/// (one thread, old and new moh_bench alternated, 3 repetitions each, medians of 6 rounds,
-/// session 12) that took the float step to 0.87x its time, bfloat16 weights to 0.89x and with a
-/// bfloat16 cache 0.83x (whole decode-set runs, noisier: 0.83x, 0.90x, 0.98x). The 8-sequence
-/// step of a D = 1024 layer, whose products are bound by loads from L1/L2 rather than memory,
-/// went to 1.05x with W one row at a time and 1.01x with tiles of 3 rows (decode-set runs:
-/// 1.06x). On Zen 4, session 9 had measured one row at a time 8% slower than 8 side by side
-/// (standalone); it was not measured there again.
+/// One row of A (a decode step of one sequence) reads KernelTuning::weight_streams rows of W side
+/// by side, the best pattern depending on the core (runtime/tuning.hpp). Standalone, one row of A
+/// against 4096 x 4096 (medians of 15): on Zen 5 (session 12) one row at a time read 36-41 GB/s
+/// from float and 31-39 from bfloat16, 8 rows side by side (one chain each) 30-34 and 25-27; on
+/// Zen 4 (session 13) one row at a time 17-20 and 15-18, six side by side 22-23 and 20-23, 8
+/// rows of one chain 21-22 and 19-22. The 8-sequence step of a D = 1024 layer, whose products are bound
+/// by loads from L1/L2 rather than memory, takes tiles of 3 rows of W (Zen 4: 8.8 GB/s against
+/// 10.2 for the old 8 rows of one chain; Zen 5: 1.01x the old step's time). In the Zen 4
+/// LLaMA3-8B steps (session 13, 4 alternating rounds) six rows side by side still took
+/// 1.12-1.19x the time of the old 8 rows of one chain (which round differently), one row at a
+/// time 1.14-1.51x.
 constexpr int kRowChains = 4;
 static_assert((kRowChains & (kRowChains - 1)) == 0, "the chains are added pairwise");
 #if defined(EIGEN_VECTORIZE_AVX512)
 constexpr int kLongRowTile = 3;
+constexpr int kMaxStreams = KernelTuning::kMaxWeightStreams;  // 24 accumulators
 #else
 constexpr int kLongRowTile = 1;
+constexpr int kMaxStreams = 3;  // 12 accumulators of 16 registers
 #endif
 
 /// Calls fn(r, std::integral_constant<int, RA>{}) for rows r of A, RA = 2 at a time, then RA = 1
@@ -634,25 +638,38 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
     }
 }
 
-/// rows_product() over long rows of W: one row of A reads W in one stream, row after row
-/// (G = 1); more rows of A take W kLongRowTile rows at a time against pairs of A rows, so that
-/// the rows of A, re-read from L1/L2 for every tile of W, are read that many times less often.
+/// rows_product() over long rows of W: one row of A reads W `streams` rows at a time, side by
+/// side (G = streams, the rest one by one); more rows of A take W kLongRowTile rows at a time
+/// against pairs of A rows, so that the rows of A, re-read from L1/L2 for every tile of W, are
+/// read that many times less often. No element's bits depend on either.
 template <class T, class Src>
 void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count,
                             Index K, T* C, Index ldc, bool accumulate) {
-  // Rows j .. j + G - 1 of W against every row of A, two at a time.
-  const auto tile = [&](Index j, auto g_tile) {
-    constexpr int G = decltype(g_tile)::value;
-    for_row_pairs(n, [&](Index r, auto ra) {
-      rows_product_long<T, G, decltype(ra)::value>(A + r * lda, lda, W + j * ldw, ldw, K,
-                                                   C + r * ldc + j, ldc, accumulate);
-    });
-  };
   Index j = 0;
-  if (n > 1)
-    for (; j + kLongRowTile <= count; j += kLongRowTile)
-      tile(j, std::integral_constant<int, kLongRowTile>{});
-  for (; j < count; ++j) tile(j, std::integral_constant<int, 1>{});
+  // Rows j .. j + G - 1 of W against every row of A, two at a time, while G rows are left.
+  const auto tiles = [&](auto g_tile) {
+    constexpr int G = decltype(g_tile)::value;
+    for (; j + G <= count; j += G)
+      for_row_pairs(n, [&](Index r, auto ra) {
+        rows_product_long<T, G, decltype(ra)::value>(A + r * lda, lda, W + j * ldw, ldw, K,
+                                                     C + r * ldc + j, ldc, accumulate);
+      });
+  };
+  if (n > 1) {
+    tiles(std::integral_constant<int, kLongRowTile>{});
+  } else {
+    switch (std::min(weight_streams(), kMaxStreams)) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+      case 6: tiles(std::integral_constant<int, 6>{}); break;
+      case 5: tiles(std::integral_constant<int, 5>{}); break;
+      case 4: tiles(std::integral_constant<int, 4>{}); break;
+#endif
+      case 3: tiles(std::integral_constant<int, 3>{}); break;
+      case 2: tiles(std::integral_constant<int, 2>{}); break;
+      default: break;
+    }
+  }
+  tiles(std::integral_constant<int, 1>{});
 }
 
 /// C[r, j0 + jj] (+)= A[r, :] . W[j0 + jj, :] for r < RA and jj < g <= 8, W's rows short
