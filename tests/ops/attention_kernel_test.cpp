@@ -206,6 +206,25 @@ TEST(AttentionKernel, FewQueriesOverSeveralLongKeyBlocks) {
   }
 }
 
+// A decode step's group of 3 or 4 query heads over a head wider than its accumulators (16 with
+// 32 vector registers, 8 with 16) goes over the values in pairs of queries (or one by one), each
+// pass over runs of 128 keys, and scores one key at a time: heads of 5, 6, 8 and 16 packets, key
+// counts around the runs, float and double, with padding and a causal cache shift.
+TEST(AttentionKernel, FewQueriesInGroupsOverWideHeads) {
+  const Index L = moh::detail::packet_size<float>();
+  const Index Ld = moh::detail::packet_size<double>();
+  for (Index n_q : {Index(3), Index(4)})
+    for (Index packets : {Index(5), Index(6), Index(8), Index(16)})
+      for (Index S : {Index(129), Index(300)}) {
+        Case c{n_q, S, packets * L, true, S - n_q, random_padding(S, S + packets, 0.2)};
+        EXPECT_LE(run_case<float>(c, 700 + n_q + packets + S), 2 * kFloatTol)
+            << "n_q " << n_q << " d " << packets * L << " S " << S;
+        Case open{n_q, S, packets * Ld};
+        EXPECT_LE(run_case<double>(open, 800 + n_q + packets + S), kDoubleTol)
+            << "n_q " << n_q << " d " << packets * Ld << " S " << S;
+      }
+}
+
 TEST(AttentionKernel, GatheredQueryPositions) {
   // Queries of a routed head: a subset of the tokens of a 300-token sequence, at ascending
   // positions given as a list; causal shift 0 (self) and 40 (40 cached keys before them).

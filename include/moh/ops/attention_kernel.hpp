@@ -224,9 +224,11 @@ inline void sums_of_four(const GemmPacket<T>* a, T* out) {
 /// S[r, c] = scale * q_r . k_c for NQ queries (rows at q_stride) and nk keys (rows at
 /// k_stride) of d = whole packets; S rows at ld. Each score is a packet-wise sum over d (one
 /// chain over the packets in order), then reduced. Up to two queries: four keys at a time, each
-/// key's row read in order. Three or more: two keys at a time with their packets in step, so
-/// that each query packet is loaded once for both (the loads, not the bytes from memory, bound
-/// four queries of 128 floats; four rows in step defeat the hardware prefetcher, measured).
+/// key's row read in order. Three or more: one key at a time, its row read once for all the
+/// queries (whose packets come from L1). Two keys in step, which load each query packet once
+/// for both, read a float cache at 13-21 GB/s where one key reads it at 24-28 (Zen 4, 4 queries
+/// of 128 over 16 MB, session 14; a plain sum 26-27), and four rows in step at 7-9: rows side by
+/// side defeat the hardware prefetcher. The sums and their order are the same either way.
 /// DP: the head's packets when known at compile time (the loops over d unrolled: 2-4x faster
 /// for 2 or 4 queries of 128 floats, measured), 0 when not.
 template <class T, int NQ, int DP, class Src>
@@ -235,7 +237,7 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   using P = GemmPacket<T>;
   constexpr Index L = packet_size<T>();
   const Index d = DP > 0 ? DP * L : head_dim;
-  constexpr int KB = NQ >= 3 ? 2 : 4;
+  constexpr int KB = NQ >= 3 ? 1 : 4;
   constexpr int kSums = NQ * KB;
   const Index row_bytes = d * static_cast<Index>(sizeof(Src));
   const Index ahead = prefetch_rows(row_bytes);
@@ -300,19 +302,23 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
 
 /// A[r, x0 : x0 + NP L] += sum_c W[r, c] v_c[x0 : ...] for NQ rows: the accumulators stay in
 /// registers over all nk keys (each element one chain over c in order).
-/// When pf_bytes > 0, also asks for the first pf_bytes of row c + ahead (at most row pf_last)
-/// while reading row c.
-template <class T, int NQ, int NP, class Src>
+/// With kPrefetch, also asks for the panel's columns of row c + ahead (at most row pf_last)
+/// while reading row c, for rows of row_bytes. A compile-time choice, and a fixed number of
+/// lines: with a loop over a row's lines in the loop over keys (even one run 0 times) GCC kept
+/// the 16 accumulators of 2 queries x 8 packets on the stack.
+template <class T, int NQ, int NP, class Src, bool kPrefetch = false>
 void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride, Index nk,
-                            Index x0, T* A, Index lda, Index pf_bytes = 0, Index pf_last = 0) {
+                            Index x0, T* A, Index lda, Index row_bytes = 0, Index pf_last = 0) {
   using P = GemmPacket<T>;
   constexpr Index L = packet_size<T>();
+  constexpr Index kLines = (NP * L * Index(sizeof(Src)) + 63) / 64;
   P acc[NQ][NP];
   for (int r = 0; r < NQ; ++r)
     for (int j = 0; j < NP; ++j) acc[r][j] = Eigen::internal::ploadu<P>(A + r * lda + x0 + j * L);
-  const Index ahead = prefetch_rows(pf_bytes);
+  const Index ahead = prefetch_rows(row_bytes);
   for (Index c = 0; c < nk; ++c) {
-    if (pf_bytes > 0) prefetch_bytes(v + std::min(c + ahead, pf_last) * v_stride, pf_bytes);
+    if constexpr (kPrefetch)
+      prefetch_lines<kLines>(v + std::min(c + ahead, pf_last) * v_stride + x0);
     P vv[NP];
     for (int j = 0; j < NP; ++j) vv[j] = load_packet<T>(v + c * v_stride + x0 + j * L);
     for (int r = 0; r < NQ; ++r) {
@@ -337,41 +343,90 @@ void few_query_values_rest(Index packets, const T* W, Index ldw, const Src* v, I
   few_query_values_panel<T, NQ, NP, Src>(W, ldw, v, v_stride, nk, x0, A, lda);
 }
 
-/// A[NQ, d] += W[NQ, nk] V[nk, d] (V rows at v_stride, d whole packets), in column panels that
-/// keep NQ x panel accumulators in registers.
+// Accumulators the weighted-value panels keep in registers: half the vector registers, the rest
+// for the value packets loaded and the broadcast weight. A panel of 4 queries x 6 packets (24 of
+// 32 registers) left GCC short and it kept its accumulators on the stack: the LLaMA3-8B step
+// read its float cache at 11-14 GB/s, against 20 with panels of 2 queries x 8 (session 14).
+#ifdef EIGEN_VECTORIZE_AVX512
+constexpr int kValueAccumulators = 16;
+#else
+constexpr int kValueAccumulators = 8;
+#endif
+
+/// Packets of columns a weighted-value panel of `queries` queries spans.
+constexpr int value_panel_packets(int queries) {
+  return std::min(8, std::max(1, kValueAccumulators / queries));
+}
+
+/// A[QP, d] += W[QP, nk] V[nk, d] for one group of QP queries, in column panels of
+/// value_panel_packets(QP) packets (the packets left, fewer, in one more panel). The first full
+/// panel asks for its columns of the rows ahead (rows of row_bytes) when row_bytes > 0.
+template <class T, int QP, class Src>
+void few_query_values_group(const T* W, Index ldw, const Src* v, Index v_stride, Index nk,
+                            Index d, T* A, Index lda, Index row_bytes, Index pf_last) {
+  constexpr Index L = packet_size<T>();
+  constexpr int NP = value_panel_packets(QP);
+  constexpr int kRest = NP > 1 ? NP - 1 : 1;
+  Index x0 = 0;
+  if (NP * L <= d) {
+    if (row_bytes > 0)
+      few_query_values_panel<T, QP, NP, Src, true>(W, ldw, v, v_stride, nk, 0, A, lda, row_bytes,
+                                                   pf_last);
+    else
+      few_query_values_panel<T, QP, NP, Src>(W, ldw, v, v_stride, nk, 0, A, lda);
+    x0 = NP * L;
+  }
+  for (; x0 + NP * L <= d; x0 += NP * L)
+    few_query_values_panel<T, QP, NP, Src>(W, ldw, v, v_stride, nk, x0, A, lda);
+  // A head of 4 packets with one query is one panel of 4 chains, not 4 passes with one each.
+  if (x0 < d)
+    few_query_values_rest<T, QP, kRest, Src>((d - x0) / L, W, ldw, v, v_stride, nk, x0, A, lda);
+}
+
+/// A[NQ, d] += W[NQ, nk] V[nk, d] (V rows at v_stride, d whole packets). The queries go in
+/// groups (all NQ, else pairs, else one by one) whose accumulators over min(8, d) packets fit
+/// kValueAccumulators, each group in column panels.
 template <class T, int NQ, class Src>
 void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index nk, Index d, T* A,
                       Index lda) {
   constexpr Index L = packet_size<T>();
-  constexpr int kRegisters = 24;  // accumulators (AVX-512 has 32 vector registers)
-  constexpr int NP = std::min(8, std::max(1, kRegisters / NQ));
-  constexpr int kRest = NP > 1 ? NP - 1 : 1;
-  // A head of more than one panel goes over the values in runs of kRun keys, every panel per
-  // run, so that the later panels find the run in L1/L2 (each element's chain over the keys
+  const Index wide = std::min<Index>(8, d / L);
+  const int group = NQ * wide <= kValueAccumulators ? NQ
+                    : 2 * wide <= kValueAccumulators ? std::min(2, NQ)
+                                                     : 1;
+  // More than one pass (groups or panels) goes over the values in runs of kRun keys, every pass
+  // per run, so that the later passes find the run in L1/L2 (each element's chain over the keys
   // stays in order: its accumulator is stored and reloaded between runs, exactly).
   constexpr Index kRun = 128;
-  const Index run = d > NP * L ? kRun : nk;
+  const bool one_pass = group == NQ && d <= value_panel_packets(NQ) * L;
+  const Index run = one_pass ? nk : kRun;
+  // For 3 or more queries (as the scores), the first pass asks for the rows ahead, up to the
+  // block's last: the columns of its first panel, the whole row for heads of up to 8 packets
+  // (the later passes find them in the caches); a head narrower than one panel is not
+  // prefetched.
+  const Index row_bytes = d * static_cast<Index>(sizeof(Src));
+  const bool prefetch = prefetch_few_query<T, NQ, Src>();
   for (Index c0 = 0; c0 < nk; c0 += run) {
     const Index n = std::min(run, nk - c0);
-    const T* w = W + c0;
     const Src* vr = v + c0 * v_stride;
-    // For 3 or more queries (as the scores), the first panel asks for whole rows ahead, up to
-    // the block's last (the later panels find them in the caches); a head narrower than one
-    // panel is not prefetched.
-    const Index row_bytes = d * static_cast<Index>(sizeof(Src));
-    Index x0 = 0;
-    if (NP * L <= d) {
-      few_query_values_panel<T, NQ, NP, Src>(w, ldw, vr, v_stride, n, 0, A, lda,
-                                             prefetch_few_query<T, NQ, Src>() ? row_bytes : 0,
-                                             nk - c0 - 1);
-      x0 = NP * L;
+    const auto pass = [&](auto queries, Index r0) {
+      few_query_values_group<T, decltype(queries)::value, Src>(
+          W + r0 * ldw + c0, ldw, vr, v_stride, n, d, A + r0 * lda, lda,
+          prefetch && r0 == 0 ? row_bytes : 0, nk - c0 - 1);
+    };
+    if (group == NQ) {
+      pass(std::integral_constant<int, NQ>{}, 0);
+    } else {
+      for (Index r0 = 0; r0 < NQ; r0 += group) {
+        if constexpr (NQ > 2) {
+          if (group == 2 && r0 + 2 <= NQ) {
+            pass(std::integral_constant<int, 2>{}, r0);
+            continue;
+          }
+        }
+        pass(std::integral_constant<int, 1>{}, r0);
+      }
     }
-    for (; x0 + NP * L <= d; x0 += NP * L)
-      few_query_values_panel<T, NQ, NP, Src>(w, ldw, vr, v_stride, n, x0, A, lda);
-    // The packets left (fewer than NP) in one more panel: a head of 4 packets with one query is
-    // one panel of 4 chains, not 4 passes over the values with one chain each.
-    if (x0 < d)
-      few_query_values_rest<T, NQ, kRest, Src>((d - x0) / L, w, ldw, vr, v_stride, n, x0, A, lda);
   }
 }
 

@@ -170,6 +170,15 @@ EIGEN_ALWAYS_INLINE void prefetch_bytes([[maybe_unused]] const void* p,
   for (Index o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
 #endif
 }
+/// Asks for the kLines lines (64 bytes each) from p: a count known at compile time, so no loop
+/// is left in the caller's loop.
+template <Index kLines>
+EIGEN_ALWAYS_INLINE void prefetch_lines([[maybe_unused]] const void* p) {
+#if defined(__GNUC__)
+  const char* c = static_cast<const char*>(p);
+  for (Index i = 0; i < kLines; ++i) __builtin_prefetch(c + i * 64);
+#endif
+}
 
 template <class T>
 inline T load_scalar(const T* p) {
