@@ -313,21 +313,30 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
   constexpr Index L = packet_size<T>();
   constexpr Index kLines = (NP * L * Index(sizeof(Src)) + 63) / 64;
   P acc[NQ][NP];
-  for (int r = 0; r < NQ; ++r)
+  MOH_UNROLL_REGISTERS
+  for (int r = 0; r < NQ; ++r) {
+    MOH_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) acc[r][j] = Eigen::internal::ploadu<P>(A + r * lda + x0 + j * L);
+  }
   const Index ahead = prefetch_rows(row_bytes);
   for (Index c = 0; c < nk; ++c) {
     if constexpr (kPrefetch)
       prefetch_lines<kLines>(v + std::min(c + ahead, pf_last) * v_stride + x0);
     P vv[NP];
+    MOH_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) vv[j] = load_packet<T>(v + c * v_stride + x0 + j * L);
+    MOH_UNROLL_REGISTERS
     for (int r = 0; r < NQ; ++r) {
       const P w = Eigen::internal::pset1<P>(W[r * ldw + c]);
+      MOH_UNROLL_REGISTERS
       for (int j = 0; j < NP; ++j) acc[r][j] = Eigen::internal::pmadd(w, vv[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < NQ; ++r)
+  MOH_UNROLL_REGISTERS
+  for (int r = 0; r < NQ; ++r) {
+    MOH_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) Eigen::internal::pstoreu(A + r * lda + x0 + j * L, acc[r][j]);
+  }
 }
 
 /// few_query_values_panel over the last `packets` (<= NP) packets of columns from x0.
