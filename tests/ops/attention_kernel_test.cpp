@@ -2,9 +2,11 @@
 // softmax(Q K^T * scale + mask) V (reference/naive_blocks.hpp) over key counts and query counts
 // that cross the 256-key and 64-query blocks, odd head sizes, causal masks with and without a
 // cache-style shift, key padding, rows that see nothing, gathered query positions, strided
-// buffers, large scores; the same bits with and without a Workspace (reused across sizes); and
+// buffers, large scores; decode-sized groups of 3-4 queries over narrow and wide heads, prefetched
+// and not; the same bits with and without a Workspace (reused across sizes); and
 // the size and stride checks (moh::Error).
 #include "moh/ops/attention_kernel.hpp"
+#include "moh/runtime/tuning.hpp"
 
 #include <gtest/gtest.h>
 
@@ -206,22 +208,38 @@ TEST(AttentionKernel, FewQueriesOverSeveralLongKeyBlocks) {
   }
 }
 
-// A decode step's group of 3 or 4 query heads over a head wider than its accumulators (16 with
-// 32 vector registers, 8 with 16) goes over the values in pairs of queries (or one by one), each
-// pass over runs of 128 keys, and scores one key at a time: heads of 5, 6, 8 and 16 packets, key
-// counts around the runs, float and double, with padding and a causal cache shift.
-TEST(AttentionKernel, FewQueriesInGroupsOverWideHeads) {
+// A decode step's group of 3 or 4 query heads: the weighted values go in groups of queries whose
+// accumulators fit the registers (all of them over narrow heads; pairs or one by one over wide
+// ones, each pass over runs of 128 keys), the scores one key at a time. Heads of 2-16 packets,
+// key counts around the runs, float and double, with padding and a causal cache shift; each
+// case with the cache prefetched and not (KernelTuning::prefetch_float_cache), which must give
+// the same bits.
+TEST(AttentionKernel, FewQueriesInGroupsOverNarrowAndWideHeads) {
+  const moh::KernelTuning saved = moh::kernel_tuning();
+  struct Restore {
+    moh::KernelTuning t;
+    ~Restore() { moh::set_kernel_tuning(t); }
+  } restore{saved};
   const Index L = moh::detail::packet_size<float>();
   const Index Ld = moh::detail::packet_size<double>();
   for (Index n_q : {Index(3), Index(4)})
-    for (Index packets : {Index(5), Index(6), Index(8), Index(16)})
+    for (Index packets : {Index(2), Index(3), Index(4), Index(5), Index(6), Index(8), Index(16)})
       for (Index S : {Index(129), Index(300)}) {
-        Case c{n_q, S, packets * L, true, S - n_q, random_padding(S, S + packets, 0.2)};
-        EXPECT_LE(run_case<float>(c, 700 + n_q + packets + S), 2 * kFloatTol)
-            << "n_q " << n_q << " d " << packets * L << " S " << S;
-        Case open{n_q, S, packets * Ld};
-        EXPECT_LE(run_case<double>(open, 800 + n_q + packets + S), kDoubleTol)
-            << "n_q " << n_q << " d " << packets * Ld << " S " << S;
+        Matrix<float> out[2];
+        Matrix<double> out_d[2];
+        for (bool prefetch : {false, true}) {
+          moh::KernelTuning t = saved;
+          t.prefetch_float_cache = prefetch;
+          moh::set_kernel_tuning(t);
+          Case c{n_q, S, packets * L, true, S - n_q, random_padding(S, S + packets, 0.2)};
+          EXPECT_LE(run_case<float>(c, 700 + n_q + packets + S, &out[prefetch]), 2 * kFloatTol)
+              << "n_q " << n_q << " d " << packets * L << " S " << S << " prefetch " << prefetch;
+          Case open{n_q, S, packets * Ld};
+          EXPECT_LE(run_case<double>(open, 800 + n_q + packets + S, &out_d[prefetch]), kDoubleTol)
+              << "n_q " << n_q << " d " << packets * Ld << " S " << S << " prefetch " << prefetch;
+        }
+        EXPECT_TRUE(BitEqual(out[0], out[1])) << "n_q " << n_q << " packets " << packets;
+        EXPECT_TRUE(BitEqual(out_d[0], out_d[1])) << "n_q " << n_q << " packets " << packets;
       }
 }
 

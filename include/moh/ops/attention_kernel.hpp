@@ -23,6 +23,17 @@
 #include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
 
+// Put before each loop over the register arrays of the weighted-value panel (their
+// initialisation, use and store): GCC 12 unrolls such loops only after it has placed the arrays
+// in memory, and then stored the bfloat16 panel's 16 accumulators to the stack on every key.
+// Unrolled from the start, the arrays become registers. Other compilers need no hint; #undef at
+// the end of this header.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8
+#define MOH_DETAIL_UNROLL_REGISTERS _Pragma("GCC unroll 16")
+#else
+#define MOH_DETAIL_UNROLL_REGISTERS
+#endif
+
 namespace moh {
 
 /// Which keys each query may see.
@@ -181,9 +192,10 @@ constexpr Index kPackedQueries = 8;
 // (3 repetitions each per round): over a bfloat16 cache the step took a median 0.95x its time
 // without (12 rounds, session 11, Zen 4), so a bfloat16 cache is always prefetched. Over a float
 // cache it took 0.90x on Zen 5 (6 rounds, session 12) but 1.06x on Zen 4 (session 11, weights
-// then read 8 rows side by side; not re-measured with six): float caches are prefetched where
-// KernelTuning::prefetch_float_cache says. One query or two read at
-// a plain sum's rate and are not prefetched.
+// then read 8 rows side by side); with six and the one-key scores of session 14 the scores
+// took 1.28 ms of that step prefetched against 0.97 without (Zen 4, one perf run each): float
+// caches are prefetched where KernelTuning::prefetch_float_cache says. One query or two read
+// at a plain sum's rate and are not prefetched.
 constexpr Index kPrefetchAhead = 4096;
 
 /// Whether the few-query kernels of NQ queries prefetch a cache of Src for compute type T.
@@ -198,10 +210,13 @@ inline Index prefetch_rows(Index row_bytes) {
 }
 
 /// out[j] = the sum of the lanes of a[j] for j < 4. With AVX-512 floats the four sums share
-/// their shuffles (14 instructions for four, against about 10 each one by one).
+/// their shuffles (14 instructions for four, against about 10 each one by one), in the order of
+/// Eigen's predux with AVX512DQ (halves of 8, then of 4, then pairs), so that a score's bits do
+/// not depend on which of the two reduced it; without DQ predux adds in another order, so this
+/// falls back to it.
 template <class T>
 inline void sums_of_four(const GemmPacket<T>* a, T* out) {
-#ifdef EIGEN_VECTORIZE_AVX512
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
   if constexpr (std::is_same_v<T, float> && packet_size<T>() == 16) {
     // 128-bit lanes of u01: [a0 l0 + l2, a0 l1 + l3, a1 l0 + l2, a1 l1 + l3]; u23 alike.
     const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44),
@@ -308,52 +323,58 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
 /// the 16 accumulators of 2 queries x 8 packets on the stack.
 template <class T, int NQ, int NP, class Src, bool kPrefetch = false>
 void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride, Index nk,
-                            Index x0, T* A, Index lda, Index row_bytes = 0, Index pf_last = 0) {
+                            Index x0, T* A, Index lda, [[maybe_unused]] Index row_bytes = 0,
+                            [[maybe_unused]] Index pf_last = 0) {
   using P = GemmPacket<T>;
   constexpr Index L = packet_size<T>();
-  constexpr Index kLines = (NP * L * Index(sizeof(Src)) + 63) / 64;
+  constexpr Index kLines = (NP * L * Index(sizeof(Src)) + 63) / 64;  // of the panel's columns
   P acc[NQ][NP];
-  MOH_UNROLL_REGISTERS
+  MOH_DETAIL_UNROLL_REGISTERS
   for (int r = 0; r < NQ; ++r) {
-    MOH_UNROLL_REGISTERS
+    MOH_DETAIL_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) acc[r][j] = Eigen::internal::ploadu<P>(A + r * lda + x0 + j * L);
   }
-  const Index ahead = prefetch_rows(row_bytes);
+  [[maybe_unused]] const Index ahead = kPrefetch ? prefetch_rows(row_bytes) : 0;
   for (Index c = 0; c < nk; ++c) {
     if constexpr (kPrefetch)
-      prefetch_lines<kLines>(v + std::min(c + ahead, pf_last) * v_stride + x0);
+      prefetch_lines(v + std::min(c + ahead, pf_last) * v_stride + x0,
+                     std::make_integer_sequence<Index, kLines>{});
     P vv[NP];
-    MOH_UNROLL_REGISTERS
+    MOH_DETAIL_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) vv[j] = load_packet<T>(v + c * v_stride + x0 + j * L);
-    MOH_UNROLL_REGISTERS
+    MOH_DETAIL_UNROLL_REGISTERS
     for (int r = 0; r < NQ; ++r) {
       const P w = Eigen::internal::pset1<P>(W[r * ldw + c]);
-      MOH_UNROLL_REGISTERS
+      MOH_DETAIL_UNROLL_REGISTERS
       for (int j = 0; j < NP; ++j) acc[r][j] = Eigen::internal::pmadd(w, vv[j], acc[r][j]);
     }
   }
-  MOH_UNROLL_REGISTERS
+  MOH_DETAIL_UNROLL_REGISTERS
   for (int r = 0; r < NQ; ++r) {
-    MOH_UNROLL_REGISTERS
+    MOH_DETAIL_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) Eigen::internal::pstoreu(A + r * lda + x0 + j * L, acc[r][j]);
   }
 }
 
 /// few_query_values_panel over the last `packets` (<= NP) packets of columns from x0.
-template <class T, int NQ, int NP, class Src>
+template <class T, int NQ, int NP, class Src, bool kPrefetch = false>
 void few_query_values_rest(Index packets, const T* W, Index ldw, const Src* v, Index v_stride,
-                           Index nk, Index x0, T* A, Index lda) {
+                           Index nk, Index x0, T* A, Index lda, Index row_bytes = 0,
+                           Index pf_last = 0) {
   if constexpr (NP > 1) {
     if (packets < NP) {
-      few_query_values_rest<T, NQ, NP - 1, Src>(packets, W, ldw, v, v_stride, nk, x0, A, lda);
+      few_query_values_rest<T, NQ, NP - 1, Src, kPrefetch>(packets, W, ldw, v, v_stride, nk, x0,
+                                                           A, lda, row_bytes, pf_last);
       return;
     }
   }
-  few_query_values_panel<T, NQ, NP, Src>(W, ldw, v, v_stride, nk, x0, A, lda);
+  few_query_values_panel<T, NQ, NP, Src, kPrefetch>(W, ldw, v, v_stride, nk, x0, A, lda,
+                                                    row_bytes, pf_last);
 }
 
-// Accumulators the weighted-value panels keep in registers: half the vector registers, the rest
-// for the value packets loaded and the broadcast weight. A panel of 4 queries x 6 packets (24 of
+// Accumulators the weighted-value panels keep in registers: half of AVX-512's 32 vector
+// registers or of AVX2's 16 (other targets get 8 too), the rest for the value packets loaded and
+// the broadcast weight. Measured with AVX-512 only. A panel of 4 queries x 6 packets (24 of
 // 32 registers) left GCC short and it kept its accumulators on the stack: the LLaMA3-8B step
 // read its float cache at 11-14 GB/s, against 20 with panels of 2 queries x 8 (session 14).
 #ifdef EIGEN_VECTORIZE_AVX512
@@ -368,33 +389,28 @@ constexpr int value_panel_packets(int queries) {
 }
 
 /// A[QP, d] += W[QP, nk] V[nk, d] for one group of QP queries, in column panels of
-/// value_panel_packets(QP) packets (the packets left, fewer, in one more panel). The first full
-/// panel asks for its columns of the rows ahead (rows of row_bytes) when row_bytes > 0.
-template <class T, int QP, class Src>
+/// value_panel_packets(QP) packets (the packets left, fewer, in one more panel). With kPrefetch
+/// every panel asks for its own columns of the rows ahead (rows of row_bytes, at most row
+/// pf_last).
+template <class T, int QP, class Src, bool kPrefetch>
 void few_query_values_group(const T* W, Index ldw, const Src* v, Index v_stride, Index nk,
                             Index d, T* A, Index lda, Index row_bytes, Index pf_last) {
   constexpr Index L = packet_size<T>();
   constexpr int NP = value_panel_packets(QP);
   constexpr int kRest = NP > 1 ? NP - 1 : 1;
   Index x0 = 0;
-  if (NP * L <= d) {
-    if (row_bytes > 0)
-      few_query_values_panel<T, QP, NP, Src, true>(W, ldw, v, v_stride, nk, 0, A, lda, row_bytes,
-                                                   pf_last);
-    else
-      few_query_values_panel<T, QP, NP, Src>(W, ldw, v, v_stride, nk, 0, A, lda);
-    x0 = NP * L;
-  }
   for (; x0 + NP * L <= d; x0 += NP * L)
-    few_query_values_panel<T, QP, NP, Src>(W, ldw, v, v_stride, nk, x0, A, lda);
+    few_query_values_panel<T, QP, NP, Src, kPrefetch>(W, ldw, v, v_stride, nk, x0, A, lda,
+                                                      row_bytes, pf_last);
   // A head of 4 packets with one query is one panel of 4 chains, not 4 passes with one each.
   if (x0 < d)
-    few_query_values_rest<T, QP, kRest, Src>((d - x0) / L, W, ldw, v, v_stride, nk, x0, A, lda);
+    few_query_values_rest<T, QP, kRest, Src, kPrefetch>((d - x0) / L, W, ldw, v, v_stride, nk, x0,
+                                                        A, lda, row_bytes, pf_last);
 }
 
 /// A[NQ, d] += W[NQ, nk] V[nk, d] (V rows at v_stride, d whole packets). The queries go in
-/// groups (all NQ, else pairs, else one by one) whose accumulators over min(8, d) packets fit
-/// kValueAccumulators, each group in column panels.
+/// groups (all NQ, else pairs, else one by one) whose accumulators over min(8, d / L) packets
+/// fit kValueAccumulators, each group in column panels.
 template <class T, int NQ, class Src>
 void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index nk, Index d, T* A,
                       Index lda) {
@@ -409,19 +425,22 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
   constexpr Index kRun = 128;
   const bool one_pass = group == NQ && d <= value_panel_packets(NQ) * L;
   const Index run = one_pass ? nk : kRun;
-  // For 3 or more queries (as the scores), the first pass asks for the rows ahead, up to the
-  // block's last: the columns of its first panel, the whole row for heads of up to 8 packets
-  // (the later passes find them in the caches); a head narrower than one panel is not
-  // prefetched.
+  // For 3 or more queries (as the scores), the first group's panels ask for their columns of
+  // the rows ahead, up to the block's last (the later groups find them in the caches).
   const Index row_bytes = d * static_cast<Index>(sizeof(Src));
   const bool prefetch = prefetch_few_query<T, NQ, Src>();
   for (Index c0 = 0; c0 < nk; c0 += run) {
     const Index n = std::min(run, nk - c0);
     const Src* vr = v + c0 * v_stride;
     const auto pass = [&](auto queries, Index r0) {
-      few_query_values_group<T, decltype(queries)::value, Src>(
-          W + r0 * ldw + c0, ldw, vr, v_stride, n, d, A + r0 * lda, lda,
-          prefetch && r0 == 0 ? row_bytes : 0, nk - c0 - 1);
+      constexpr int QP = decltype(queries)::value;
+      const T* w = W + r0 * ldw + c0;
+      if (prefetch && r0 == 0)
+        few_query_values_group<T, QP, Src, true>(w, ldw, vr, v_stride, n, d, A + r0 * lda, lda,
+                                                 row_bytes, nk - c0 - 1);
+      else
+        few_query_values_group<T, QP, Src, false>(w, ldw, vr, v_stride, n, d, A + r0 * lda, lda,
+                                                  row_bytes, nk - c0 - 1);
     };
     if (group == NQ) {
       pass(std::integral_constant<int, NQ>{}, 0);
@@ -776,3 +795,5 @@ void attention(const AttentionQueries<T>& queries, const AttentionKeysValues<T>&
 }
 
 }  // namespace moh
+
+#undef MOH_DETAIL_UNROLL_REGISTERS

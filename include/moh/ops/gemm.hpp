@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -115,17 +116,6 @@ struct GemmB {
 #pragma GCC diagnostic ignored "-Wignored-attributes"
 #endif
 
-// Put before each loop over an array of packets kept in registers (its initialisation, its use
-// and its store): GCC 12 unrolls such loops only late, after it decided the array lives in
-// memory, and then stores every accumulator to the stack on every pass of the enclosing loop
-// (the bfloat16 value panel of 2 queries x 8 packets did 16 stores per key). Unrolled from the
-// start, the array becomes registers. Other compilers need no hint.
-#if defined(__GNUC__) && !defined(__clang__)
-#define MOH_UNROLL_REGISTERS _Pragma("GCC unroll 16")
-#else
-#define MOH_UNROLL_REGISTERS
-#endif
-
 template <class T>
 using GemmPacket = typename Eigen::internal::packet_traits<T>::type;
 
@@ -181,13 +171,13 @@ EIGEN_ALWAYS_INLINE void prefetch_bytes([[maybe_unused]] const void* p,
   for (Index o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
 #endif
 }
-/// Asks for the kLines lines (64 bytes each) from p: a count known at compile time, so no loop
-/// is left in the caller's loop.
-template <Index kLines>
-EIGEN_ALWAYS_INLINE void prefetch_lines([[maybe_unused]] const void* p) {
+/// Asks for the lines (64 bytes each) at p + 64 i for each i of Lines: one instruction each, so
+/// no loop is left in the caller's loop at any optimisation level.
+template <Index... Lines>
+EIGEN_ALWAYS_INLINE void prefetch_lines([[maybe_unused]] const void* p,
+                                        std::integer_sequence<Index, Lines...>) {
 #if defined(__GNUC__)
-  const char* c = static_cast<const char*>(p);
-  for (Index i = 0; i < kLines; ++i) __builtin_prefetch(c + i * 64);
+  (__builtin_prefetch(static_cast<const char*>(p) + Lines * 64), ...);
 #endif
 }
 
