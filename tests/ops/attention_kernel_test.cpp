@@ -97,6 +97,12 @@ std::vector<bool> random_padding(Index S, std::uint64_t seed, double p) {
   return out;
 }
 
+/// Puts the process's kernel tuning back when a test that changes it ends.
+struct RestoreTuning {
+  moh::KernelTuning t;
+  ~RestoreTuning() { moh::set_kernel_tuning(t); }
+};
+
 constexpr double kFloatTol = 2e-6;
 constexpr double kDoubleTol = 1e-13;
 
@@ -216,10 +222,7 @@ TEST(AttentionKernel, FewQueriesOverSeveralLongKeyBlocks) {
 // the same bits.
 TEST(AttentionKernel, FewQueriesInGroupsOverNarrowAndWideHeads) {
   const moh::KernelTuning saved = moh::kernel_tuning();
-  struct Restore {
-    moh::KernelTuning t;
-    ~Restore() { moh::set_kernel_tuning(t); }
-  } restore{saved};
+  const RestoreTuning restore{saved};
   const Index L = moh::detail::packet_size<float>();
   const Index Ld = moh::detail::packet_size<double>();
   for (Index n_q : {Index(3), Index(4)})
@@ -240,6 +243,59 @@ TEST(AttentionKernel, FewQueriesInGroupsOverNarrowAndWideHeads) {
         }
         EXPECT_TRUE(BitEqual(out[0], out[1])) << "n_q " << n_q << " packets " << packets;
         EXPECT_TRUE(BitEqual(out_d[0], out_d[1])) << "n_q " << n_q << " packets " << packets;
+      }
+}
+
+// A bfloat16 cache is widened in registers: attention over it gives, bit for bit, what it
+// gives over a float cache holding the widened keys and values, for the few-query kernels of
+// a decode step (1-4 queries: scores four keys or one key at a time; value panels of one packet
+// or of pairs of packets, where AVX-512 widens two packets per load), prefetched or not, and
+// for the tiled path (9 queries).
+TEST(AttentionKernel, BFloat16CacheGivesTheBitsOfItsWidenedFloats) {
+  const moh::KernelTuning saved = moh::kernel_tuning();
+  const RestoreTuning restore{saved};
+  const Index L = moh::detail::packet_size<float>();
+  for (Index n_q : {Index(1), Index(2), Index(3), Index(4), Index(9)})
+    for (Index packets : {Index(1), Index(2), Index(3), Index(4), Index(6), Index(8), Index(16)})
+      for (bool prefetch : {false, true}) {
+        const Index S = 300, d = packets * L;
+        SCOPED_TRACE(testing::Message() << "n_q " << n_q << " d " << d << " prefetch " << prefetch);
+        moh::KernelTuning t = saved;
+        t.prefetch_float_cache = prefetch;
+        moh::set_kernel_tuning(t);
+        const Matrix<float> Q = moh_test::random_matrix<float>(n_q, d, 60 + d);
+        Matrix<float> K = moh_test::random_matrix<float>(S, d, 61 + d);
+        Matrix<float> V = moh_test::random_matrix<float>(S, d, 62 + d);
+        std::vector<std::uint16_t> k16(static_cast<std::size_t>(S * d)), v16(k16.size());
+        for (Index i = 0; i < S * d; ++i) {
+          k16[i] = moh::float_to_bfloat16(K.data()[i]);
+          v16[i] = moh::float_to_bfloat16(V.data()[i]);
+          K.data()[i] = moh::bfloat16_to_float(k16[i]);
+          V.data()[i] = moh::bfloat16_to_float(v16[i]);
+        }
+        const std::vector<bool> padding = random_padding(S, 70 + d, 0.1);
+        std::unique_ptr<bool[]> pad(new bool[static_cast<std::size_t>(S)]);
+        for (Index j = 0; j < S; ++j) pad[j] = padding[j];
+        moh::AttentionMasking mask;
+        mask.causal = true;
+        mask.causal_shift = S - n_q;
+        mask.key_padding = pad.get();
+        const moh::AttentionQueries<float> queries{
+            Q.data(), d, n_q, d, 1.0f / std::sqrt(static_cast<float>(d)), moh::QueryPositions{}};
+        Matrix<float> wide(n_q, d), narrow(n_q, d);
+        moh::attention<float>(queries, moh::AttentionKeysValues<float>{K.data(), d, V.data(), d, S},
+                              mask, moh::AttentionOutput<float>{wide.data(), d});
+        moh::AttentionKeysValues<float> kv16{nullptr, d, nullptr, d, S};
+        kv16.keys_bf16 = k16.data();
+        kv16.values_bf16 = v16.data();
+        moh::attention<float>(queries, kv16, mask, moh::AttentionOutput<float>{narrow.data(), d});
+        EXPECT_TRUE(BitEqual(narrow, wide));
+        moh_test::NaiveMask nm{true, S - n_q, padding};
+        std::vector<Index> pos;
+        for (Index i = 0; i < n_q; ++i) pos.push_back(i);
+        const Matrix<double> want = moh_test::naive_attention(
+            Q, K, V, pos, 1.0 / std::sqrt(static_cast<double>(d)), nm);
+        EXPECT_LE(moh_test::max_abs_diff(narrow, want) / moh_test::scale_of(want), 2 * kFloatTol);
       }
 }
 

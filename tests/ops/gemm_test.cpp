@@ -480,6 +480,42 @@ TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
     }
 }
 
+// With an arena, long bfloat16 rows go through the even/odd loop where the build has it
+// (float, AVX-512: two packets widened per 64-byte load, A's rows laid out to match): every
+// element keeps the bits of the plain loop, for strided rows of A, one or more rows (tiles of W
+// and pairs of A), every weight_streams setting, whole steps and the packets and elements left
+// over, accumulating or not; the arena is given back. Elsewhere both calls take the plain loop.
+TEST(RowsProduct, BFloat16LongRowsKeepTheirBitsThroughTheEvenOddLoop) {
+  const moh::KernelTuning saved = moh::kernel_tuning();
+  Arena arena;
+  for (Index K : {Index(257), Index(320), Index(333), Index(1030), Index(4160)})
+    for (Index n : {Index(1), Index(2), Index(3), moh::detail::kDotRows})
+      for (int streams : {1, 4, moh::KernelTuning::kMaxWeightStreams})
+        for (bool accumulate : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "K=" << K << " n=" << n << " streams=" << streams
+                                          << " accumulate=" << accumulate);
+          moh::KernelTuning t;
+          t.weight_streams = streams;
+          moh::set_kernel_tuning(t);
+          const Index count = 13, lda = K + 3;
+          const Matrix<float> A = moh_test::random_matrix<float>(n, lda, 40);
+          const BFloat16Copy w(moh_test::random_matrix<float>(count, K, 41));
+          const Matrix<float> C0 = moh_test::random_matrix<float>(n, count, 42);
+          Matrix<float> plain = C0, even_odd = C0;
+          moh::detail::rows_product<float>(A.data(), lda, n, w.bits.data(), K, count, K,
+                                           plain.data(), count, accumulate);
+          moh::detail::rows_product<float>(A.data(), lda, n, w.bits.data(), K, count, K,
+                                           even_odd.data(), count, accumulate, &arena);
+          EXPECT_TRUE(BitEqual(even_odd, plain));
+          const Matrix<double> want =
+              (accumulate ? Matrix<double>(C0.cast<double>()) : Matrix<double>::Zero(n, count)) +
+              A.leftCols(K).cast<double>() * w.widened.cast<double>().transpose();
+          EXPECT_LE(moh_test::max_abs_diff(even_odd, want), 1e-6 * (K + 2));
+          EXPECT_EQ(arena.in_use(), 0u);
+        }
+  moh::set_kernel_tuning(saved);
+}
+
 }  // namespace
 
 namespace {

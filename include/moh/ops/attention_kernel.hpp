@@ -328,13 +328,59 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
   using P = GemmPacket<T>;
   constexpr Index L = packet_size<T>();
   constexpr Index kLines = (NP * L * Index(sizeof(Src)) + 63) / 64;  // of the panel's columns
+  [[maybe_unused]] const Index ahead = kPrefetch ? prefetch_rows(row_bytes) : 0;
+#if defined(__AVX512F__)
+  // A bfloat16 cache, pairs of packets: each 64-byte load widened into its even and its odd
+  // columns (widen_even_odd(): a shift and a mask, against a widening shuffle and a shift per
+  // packet), the accumulators held in the same order between split_even_odd() and
+  // merge_even_odd(). Each column's chain is the same, so are its bits.
+  if constexpr (even_odd_widening<T, Src>() && NP % 2 == 0) {
+    constexpr int kPairs = NP / 2;
+    P ev[NQ][kPairs], od[NQ][kPairs];
+    MOH_DETAIL_UNROLL_REGISTERS
+    for (int r = 0; r < NQ; ++r) {
+      MOH_DETAIL_UNROLL_REGISTERS
+      for (int q = 0; q < kPairs; ++q)
+        split_even_odd(Eigen::internal::ploadu<P>(A + r * lda + x0 + 2 * q * L),
+                       Eigen::internal::ploadu<P>(A + r * lda + x0 + (2 * q + 1) * L), ev[r][q],
+                       od[r][q]);
+    }
+    for (Index c = 0; c < nk; ++c) {
+      if constexpr (kPrefetch)
+        prefetch_lines(v + std::min(c + ahead, pf_last) * v_stride + x0,
+                       std::make_integer_sequence<Index, kLines>{});
+      P ve[kPairs], vo[kPairs];
+      MOH_DETAIL_UNROLL_REGISTERS
+      for (int q = 0; q < kPairs; ++q) widen_even_odd(v + c * v_stride + x0 + 2 * q * L, ve[q], vo[q]);
+      MOH_DETAIL_UNROLL_REGISTERS
+      for (int r = 0; r < NQ; ++r) {
+        const P w = Eigen::internal::pset1<P>(W[r * ldw + c]);
+        MOH_DETAIL_UNROLL_REGISTERS
+        for (int q = 0; q < kPairs; ++q) {
+          ev[r][q] = Eigen::internal::pmadd(w, ve[q], ev[r][q]);
+          od[r][q] = Eigen::internal::pmadd(w, vo[q], od[r][q]);
+        }
+      }
+    }
+    MOH_DETAIL_UNROLL_REGISTERS
+    for (int r = 0; r < NQ; ++r) {
+      MOH_DETAIL_UNROLL_REGISTERS
+      for (int q = 0; q < kPairs; ++q) {
+        P a0, a1;
+        merge_even_odd(ev[r][q], od[r][q], a0, a1);
+        Eigen::internal::pstoreu(A + r * lda + x0 + 2 * q * L, a0);
+        Eigen::internal::pstoreu(A + r * lda + x0 + (2 * q + 1) * L, a1);
+      }
+    }
+    return;
+  }
+#endif
   P acc[NQ][NP];
   MOH_DETAIL_UNROLL_REGISTERS
   for (int r = 0; r < NQ; ++r) {
     MOH_DETAIL_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) acc[r][j] = Eigen::internal::ploadu<P>(A + r * lda + x0 + j * L);
   }
-  [[maybe_unused]] const Index ahead = kPrefetch ? prefetch_rows(row_bytes) : 0;
   for (Index c = 0; c < nk; ++c) {
     if constexpr (kPrefetch)
       prefetch_lines(v + std::min(c + ahead, pf_last) * v_stride + x0,

@@ -603,14 +603,115 @@ EIGEN_ALWAYS_INLINE void for_row_pairs(Index n, Fn&& fn) {
   if (r < n) fn(r, std::integral_constant<int, 1>{});
 }
 
+/// Whether rows_product_long() widens bfloat16 rows of W two packets per load (float, AVX-512):
+/// a 64-byte load of 32 bfloat16 holds, in each 32-bit lane i, the elements 2i (low half) and
+/// 2i + 1 (high half), so one shift gives the even elements as floats and one mask the odd,
+/// against a widening shuffle and a shift per packet. Multiplied by the rows of A laid out the
+/// same way (even_odd_rows()), lane i of the even accumulator of chains (c, c + 1) holds what
+/// lane 2i of chain c (i < 8) or lane 2i - 16 of chain c + 1 holds in the plain loop, product
+/// for product in the same order; even_odd_chains() puts the lanes back before anything is
+/// added, so every element keeps its bits. Standalone (one row of A against 4 x 64 rows of
+/// 4096, from L2, Zen 5, medians of 15) the plain loop read 34 GB/s one row at a time, this one
+/// 65; the bfloat16 LLaMA3-8B step, bound by memory on Zen 5, took 0.99-1.01x its time (4
+/// alternating rounds, session 15). Meant for cores where the widening bounds the product
+/// (Zen 4: about 18 GB/s from bfloat16 against 21-22 from float, session 14; not measured).
+template <class T, class Src>
+constexpr bool even_odd_widening() {
+#if defined(__AVX512F__)
+  return std::is_same<T, float>::value && std::is_same<Src, std::uint16_t>::value &&
+         std::is_same<GemmPacket<T>, __m512>::value && kRowChains % 2 == 0;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__)
+/// The 32 bfloat16 at p as floats: e holds the even elements (lane i: element 2i), o the odd.
+EIGEN_ALWAYS_INLINE void widen_even_odd(const std::uint16_t* p, __m512& e, __m512& o) {
+  const __m512i w = _mm512_loadu_si512(p);
+  e = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  o = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+/// The even and the odd elements of the 32 floats in a0, a1 (elements 0-15, 16-31).
+EIGEN_ALWAYS_INLINE void split_even_odd(__m512 a0, __m512 a1, __m512& e, __m512& o) {
+  e = _mm512_permutex2var_ps(
+      a0, _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0), a1);
+  o = _mm512_permutex2var_ps(
+      a0, _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1), a1);
+}
+/// split_even_odd() undone: elements 0-15 into a0, 16-31 into a1.
+EIGEN_ALWAYS_INLINE void merge_even_odd(__m512 e, __m512 o, __m512& a0, __m512& a1) {
+  a0 = _mm512_permutex2var_ps(
+      e, _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0), o);
+  a1 = _mm512_permutex2var_ps(
+      e, _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8), o);
+}
+
+/// Elements of a row of A that the even/odd loop reads: its whole steps of kRowChains packets.
+inline Index even_odd_length(Index K) { return K / (16 * kRowChains) * (16 * kRowChains); }
+
+/// Ap[r, :] = A[r, :] laid out for the even/odd loop: each block of 32 of the row's first
+/// even_odd_length(K) elements as its 16 even elements, then its 16 odd (rows at that length).
+inline void even_odd_rows(const float* A, Index lda, Index n, Index K, float* Ap) {
+  const Index whole = even_odd_length(K);
+  for (Index r = 0; r < n; ++r)
+    for (Index k = 0; k < whole; k += 32) {
+      __m512 e, o;
+      split_even_odd(_mm512_loadu_ps(A + r * lda + k), _mm512_loadu_ps(A + r * lda + k + 16), e,
+                     o);
+      _mm512_storeu_ps(Ap + r * whole + k, e);
+      _mm512_storeu_ps(Ap + r * whole + k + 16, o);
+    }
+}
+
+/// The even/odd products of W's rows j < G against A's rows r < RA (laid out by even_odd_rows(),
+/// rows at lda) over k < `whole` (a multiple of 16 kRowChains), put back into the plain loop's
+/// chains acc[g][r][c] (which start at zero): lane t of chain 2q is the even accumulator's lane
+/// t / 2 (t even) or the odd one's (t odd), chain 2q + 1 the same from their lanes 8 and up.
+template <int G, int RA>
+EIGEN_ALWAYS_INLINE void even_odd_chains(const float* Ap, Index lda, const std::uint16_t* W,
+                                         Index ldw, Index whole, __m512 (&acc)[G][RA][kRowChains]) {
+  constexpr int kPairs = kRowChains / 2;
+  __m512 ev[G][RA][kPairs], od[G][RA][kPairs];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < RA; ++r)
+      for (int q = 0; q < kPairs; ++q) ev[g][r][q] = od[g][r][q] = _mm512_setzero_ps();
+  for (Index k = 0; k < whole; k += 16 * kRowChains)
+    for (int q = 0; q < kPairs; ++q) {
+      __m512 ae[RA], ao[RA];
+      for (int r = 0; r < RA; ++r) {
+        ae[r] = _mm512_loadu_ps(Ap + r * lda + k + 32 * q);
+        ao[r] = _mm512_loadu_ps(Ap + r * lda + k + 32 * q + 16);
+      }
+      for (int g = 0; g < G; ++g) {
+        __m512 we, wo;
+        widen_even_odd(W + g * ldw + k + 32 * q, we, wo);
+        for (int r = 0; r < RA; ++r) {
+          ev[g][r][q] = _mm512_fmadd_ps(ae[r], we, ev[g][r][q]);
+          od[g][r][q] = _mm512_fmadd_ps(ao[r], wo, od[g][r][q]);
+        }
+      }
+    }
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < RA; ++r)
+      for (int q = 0; q < kPairs; ++q)
+        merge_even_odd(ev[g][r][q], od[g][r][q], acc[g][r][2 * q], acc[g][r][2 * q + 1]);
+}
+#endif
+
 /// C[r, jj] (+)= A[r, :] . W[jj, :] for r < RA and jj < G, W's rows long (T or bfloat16,
 /// widened in registers): packet p of a row goes to chain p % kRowChains, the chains are added
 /// pairwise (0 + 2, 1 + 3; then 0 + 1; so on for more chains), reduced, and the last K % L
 /// products are added one by one. The G rows of W share each load of A and the RA rows of A
 /// each load of W; the bits of an element depend on neither G nor RA.
-template <class T, int G, int RA, class Src>
+/// kEvenOdd (even_odd_widening() only): the whole steps of kRowChains packets come from
+/// even_odd_chains() over `Ap`, A's rows laid out by even_odd_rows() (rows at ldap): the same
+/// bits.
+template <class T, int G, int RA, class Src, bool kEvenOdd = false>
 EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, Index ldw, Index K,
-                                           T* C, Index ldc, bool accumulate) {
+                                           T* C, Index ldc, bool accumulate,
+                                           [[maybe_unused]] const T* Ap,
+                                           [[maybe_unused]] Index ldap) {
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   constexpr Index kStep = kRowChains * L;
@@ -628,6 +729,12 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
     }
   };
   Index k = 0;
+#if defined(__AVX512F__)
+  if constexpr (kEvenOdd) {
+    k = whole / kStep * kStep;
+    even_odd_chains<G, RA>(Ap, ldap, W, ldw, k, acc);
+  }
+#endif
   for (; k + kStep <= whole; k += kStep)
     for (int c = 0; c < kRowChains; ++c) chain(k + c * L, c);
   // The last whole packets, fewer than kRowChains; c stays a constant of the unrolled loop (an
@@ -652,17 +759,20 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
 /// side (G = streams, the rest one by one); more rows of A take W kLongRowTile rows at a time
 /// against pairs of A rows, so that the rows of A, re-read from L1/L2 for every tile of W, are
 /// read that many times less often. No element's bits depend on either.
-template <class T, class Src>
+/// kEvenOdd: see rows_product_long() (Ap, ldap as there).
+template <class T, class Src, bool kEvenOdd = false>
 void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count,
-                            Index K, T* C, Index ldc, bool accumulate) {
+                            Index K, T* C, Index ldc, bool accumulate, const T* Ap = nullptr,
+                            Index ldap = 0) {
   Index j = 0;
   // Rows j .. j + G - 1 of W against every row of A, two at a time, while G rows are left.
   const auto tiles = [&](auto g_tile) {
     constexpr int G = decltype(g_tile)::value;
     for (; j + G <= count; j += G)
       for_row_pairs(n, [&](Index r, auto ra) {
-        rows_product_long<T, G, decltype(ra)::value>(A + r * lda, lda, W + j * ldw, ldw, K,
-                                                     C + r * ldc + j, ldc, accumulate);
+        rows_product_long<T, G, decltype(ra)::value, Src, kEvenOdd>(
+            A + r * lda, lda, W + j * ldw, ldw, K, C + r * ldc + j, ldc, accumulate,
+            kEvenOdd ? Ap + r * ldap : nullptr, ldap);
       });
   };
   if (n > 1) {
@@ -724,10 +834,25 @@ void rows_product_group(const T* A, Index lda, const Src* W, Index ldw, Index j0
 /// its loads). Each C element sums packet-wise partial sums, then reduces them (and adds the sum
 /// to C when `accumulate`); a row of C does not depend on the other rows, nor on how many rows
 /// come with it, and an element does not depend on the rows of W beside it.
+/// With an `arena` (optional) and long bfloat16 rows (even_odd_widening()), A's rows are laid
+/// out there for the even/odd loop first (n x K floats, taken back on return).
 template <class T, class Src>
 void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count, Index K,
-                  T* C, Index ldc, bool accumulate) {
+                  T* C, Index ldc, bool accumulate, [[maybe_unused]] Arena* arena = nullptr) {
   if (K > kShortRow) {
+#if defined(__AVX512F__)
+    if constexpr (even_odd_widening<T, Src>()) {
+      const Index ldap = even_odd_length(K);
+      if (arena != nullptr && ldap > 0) {
+        Arena::Scope scope(*arena);
+        T* Ap = arena->allocate<T>(n * ldap);
+        even_odd_rows(A, lda, n, K, Ap);
+        rows_product_long_rows<T, Src, true>(A, lda, n, W, ldw, count, K, C, ldc, accumulate, Ap,
+                                             ldap);
+        return;
+      }
+    }
+#endif
     rows_product_long_rows<T>(A, lda, n, W, ldw, count, K, C, ldc, accumulate);
     return;
   }
@@ -800,7 +925,7 @@ void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M
       if (s.values)
         rows_product<T>(A + k, lda, M, s.values, s.ld, N, n, C, ldc, accumulate || k > 0);
       else
-        rows_product<T>(A + k, lda, M, s.bf16, s.ld, N, n, C, ldc, accumulate || k > 0);
+        rows_product<T>(A + k, lda, M, s.bf16, s.ld, N, n, C, ldc, accumulate || k > 0, &arena);
     });
     return;
   }
