@@ -3,7 +3,8 @@
 // that cross the 256-key and 64-query blocks, odd head sizes, causal masks with and without a
 // cache-style shift, key padding, rows that see nothing, gathered query positions, strided
 // buffers, large scores; decode-sized groups of 3-4 queries over narrow and wide heads, prefetched
-// and not; the same bits with and without a Workspace (reused across sizes); and
+// and not; one query's scores, sixteen keys at a time, against one chain per key, bit for bit;
+// the same bits with and without a Workspace (reused across sizes); and
 // the size and stride checks (moh::Error).
 #include "moh/ops/attention_kernel.hpp"
 #include "moh/runtime/tuning.hpp"
@@ -11,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
@@ -296,6 +298,41 @@ TEST(AttentionKernel, BFloat16CacheGivesTheBitsOfItsWidenedFloats) {
         const Matrix<double> want = moh_test::naive_attention(
             Q, K, V, pos, 1.0 / std::sqrt(static_cast<double>(d)), nm);
         EXPECT_LE(moh_test::max_abs_diff(narrow, want) / moh_test::scale_of(want), 2 * kFloatTol);
+      }
+}
+
+// A decode step's one query per key/value head: its scores, sixteen keys at a time where
+// AVX-512 reduces them together, have the bits of one chain per key over the packets in order
+// and Eigen's predux (what the other few-query kernels and the tail compute), for key counts
+// around multiples of 16 and key rows at a stride wider than the head.
+TEST(AttentionKernel, OneQueryScoresHaveTheBitsOfOneChainPerKey) {
+  using P = moh::detail::GemmPacket<float>;
+  const Index L = moh::detail::packet_size<float>();
+  for (Index packets : {Index(1), Index(2), Index(4), Index(5), Index(8)})
+    for (Index extra : {Index(0), Index(3) * L})
+      for (Index nk : {Index(0), Index(1), Index(15), Index(16), Index(17), Index(35), Index(48),
+                       Index(300)}) {
+        const Index d = packets * L, k_stride = d + extra;
+        SCOPED_TRACE(testing::Message() << "d " << d << " k_stride " << k_stride << " nk " << nk);
+        const Matrix<float> q = moh_test::random_matrix<float>(1, d, 90 + d);
+        const Matrix<float> K = moh_test::random_matrix<float>(std::max<Index>(nk, 1), k_stride,
+                                                               91 + d + nk);
+        const float scale = 0.37f;
+        // Row-major K: key c at K.data() + c * k_stride.
+        const float* k = K.data();
+        std::vector<float> got(static_cast<std::size_t>(nk) + 1, -1.0f);
+        moh::detail::few_query_scores<float, 1>(q.data(), d, k, k_stride, nk, d, scale,
+                                                got.data(), nk);
+        for (Index c = 0; c < nk; ++c) {
+          P acc = Eigen::internal::pset1<P>(0.0f);
+          for (Index x = 0; x < d; x += L)
+            acc = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q.data() + x),
+                                         Eigen::internal::ploadu<P>(k + c * k_stride + x), acc);
+          const float want = scale * Eigen::internal::predux(acc);
+          ASSERT_EQ(std::memcmp(&got[c], &want, sizeof want), 0)
+              << "key " << c << ": " << got[c] << " vs " << want;
+        }
+        EXPECT_EQ(got[nk], -1.0f) << "wrote past the last key";
       }
 }
 
