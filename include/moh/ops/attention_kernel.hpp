@@ -394,9 +394,9 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
   constexpr Index L = packet_size<T>();
   constexpr Index kLines = (NP * L * Index(sizeof(Src)) + 63) / 64;  // of the panel's columns
   [[maybe_unused]] const Index ahead = kPrefetch ? prefetch_rows(row_bytes) : 0;
-#if defined(__AVX512F__)
-  // A bfloat16 cache, pairs of packets: each 64-byte load widened into its even and its odd
-  // columns (widen_even_odd(): a shift and a mask, against a widening shuffle and a shift per
+#if defined(__AVX512F__) || defined(__AVX2__)
+  // A bfloat16 cache, pairs of packets: each full-width load (64 bytes with AVX-512, 32 with
+  // AVX2) widened into its even and its odd columns (widen_even_odd(): a shift and a mask, against a widening shuffle and a shift per
   // packet), the accumulators held in the same order between split_even_odd() and
   // merge_even_odd(). Each column's chain is the same, so are its bits.
   if constexpr (even_odd_widening<T, Src>() && NP % 2 == 0) {

@@ -603,28 +603,35 @@ EIGEN_ALWAYS_INLINE void for_row_pairs(Index n, Fn&& fn) {
   if (r < n) fn(r, std::integral_constant<int, 1>{});
 }
 
-/// Whether rows_product_long() widens bfloat16 rows of W two packets per load (float, AVX-512):
-/// a 64-byte load of 32 bfloat16 holds, in each 32-bit lane i, the elements 2i (low half) and
-/// 2i + 1 (high half), so one shift gives the even elements as floats and one mask the odd,
-/// against a widening shuffle and a shift per packet. Multiplied by the rows of A laid out the
-/// same way (even_odd_rows()), lane i of the even accumulator of chains (c, c + 1) holds what
-/// lane 2i of chain c (i < 8) or lane 2i - 16 of chain c + 1 holds in the plain loop, product
-/// for product in the same order; even_odd_chains() puts the lanes back before anything is
-/// added, so every element keeps its bits. Standalone (one row of A against 4 x 64 rows of
-/// 4096, from L2, Zen 5, medians of 15) the plain loop read 34 GB/s one row at a time, this one
-/// 65; the bfloat16 LLaMA3-8B step, bound by memory on Zen 5, took 0.99-1.01x its time (4
-/// alternating rounds, session 15). Meant for cores where the widening bounds the product
-/// (Zen 4: about 18 GB/s from bfloat16 against 21-22 from float, session 14; not measured).
+/// Whether rows_product_long() widens bfloat16 rows of W two packets per load (float; AVX-512,
+/// or AVX2): one full-width load of 2 L bfloat16 holds, in each 32-bit lane i, the elements 2i
+/// (low half) and 2i + 1 (high half), so one shift gives the even elements as floats and one
+/// mask the odd, against a widening shuffle and a shift per packet. Multiplied by the rows of A
+/// laid out the same way (even_odd_rows()), lane i of the even accumulator of chains (c, c + 1)
+/// holds what lane 2i of chain c (i < L / 2) or lane 2i - L of chain c + 1 holds in the plain
+/// loop, product for product in the same order; even_odd_chains() puts the lanes back before
+/// anything is added, so every element keeps its bits. Standalone (one row of A against 4 x 64
+/// rows of 4096, from L2, Zen 5, medians of 15) the plain loop read 34 GB/s one row at a time,
+/// this one 65; the bfloat16 LLaMA3-8B step, bound by memory on Zen 5, took 0.99-1.01x its time
+/// (4 alternating rounds, session 15). On Zen 3 (AVX2, session 19), where the plain loop's
+/// widening bounds the bfloat16 step, see bench/results/decode-operating-points.md.
 template <class T, class Src>
 constexpr bool even_odd_widening() {
+  if constexpr (!std::is_same<T, float>::value || !std::is_same<Src, std::uint16_t>::value ||
+                kRowChains % 2 != 0) {
+    return false;
+  } else {
 #if defined(__AVX512F__)
-  return std::is_same<T, float>::value && std::is_same<Src, std::uint16_t>::value &&
-         std::is_same<GemmPacket<T>, __m512>::value && kRowChains % 2 == 0;
-#else
-  return false;
+    if constexpr (std::is_same<GemmPacket<T>, __m512>::value) return true;
 #endif
+#if defined(__AVX2__)
+    if constexpr (std::is_same<GemmPacket<T>, __m256>::value) return true;
+#endif
+    return false;
+  }
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
 /// The 32 bfloat16 at p as floats: e holds the even elements (lane i: element 2i), o the odd.
 EIGEN_ALWAYS_INLINE void widen_even_odd(const std::uint16_t* p, __m512& e, __m512& o) {
@@ -646,49 +653,84 @@ EIGEN_ALWAYS_INLINE void merge_even_odd(__m512 e, __m512 o, __m512& a0, __m512& 
   a1 = _mm512_permutex2var_ps(
       e, _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8), o);
 }
+#endif
+#if defined(__AVX2__)
+/// The 16 bfloat16 at p as floats: e holds the even elements (lane i: element 2i), o the odd.
+EIGEN_ALWAYS_INLINE void widen_even_odd(const std::uint16_t* p, __m256& e, __m256& o) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  e = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  o = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+/// The even and the odd elements of the 16 floats in a0, a1 (elements 0-7, 8-15): a shuffle
+/// within each 128-bit half takes (0, 2 of a0, 0, 2 of a1 | 4, 6 of a0, 4, 6 of a1), and a swap
+/// of the two middle 64-bit quarters puts them in order (the odd ones likewise from 1, 3).
+EIGEN_ALWAYS_INLINE void split_even_odd(__m256 a0, __m256 a1, __m256& e, __m256& o) {
+  const auto in_order = [](__m256 x) {
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), _MM_SHUFFLE(3, 1, 2, 0)));
+  };
+  e = in_order(_mm256_shuffle_ps(a0, a1, _MM_SHUFFLE(2, 0, 2, 0)));
+  o = in_order(_mm256_shuffle_ps(a0, a1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/// split_even_odd() undone: elements 0-7 into a0, 8-15 into a1. The interleaves within each
+/// 128-bit half give (e0 o0 e1 o1 | e4 o4 e5 o5) and (e2 o2 e3 o3 | e6 o6 e7 o7); their low
+/// halves are elements 0-7, their high halves 8-15.
+EIGEN_ALWAYS_INLINE void merge_even_odd(__m256 e, __m256 o, __m256& a0, __m256& a1) {
+  const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+  a0 = _mm256_permute2f128_ps(lo, hi, 0x20);
+  a1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+}
+#endif
 
 /// Elements of a row of A that the even/odd loop reads: its whole steps of kRowChains packets.
-inline Index even_odd_length(Index K) { return K / (16 * kRowChains) * (16 * kRowChains); }
+inline Index even_odd_length(Index K) {
+  constexpr Index kStep = kRowChains * Eigen::internal::unpacket_traits<GemmPacket<float>>::size;
+  return K / kStep * kStep;
+}
 
-/// Ap[r, :] = A[r, :] laid out for the even/odd loop: each block of 32 of the row's first
-/// even_odd_length(K) elements as its 16 even elements, then its 16 odd (rows at that length).
+/// Ap[r, :] = A[r, :] laid out for the even/odd loop: each block of 2 L of the row's first
+/// even_odd_length(K) elements as its L even elements, then its L odd (rows at that length).
 inline void even_odd_rows(const float* A, Index lda, Index n, Index K, float* Ap) {
+  using P = GemmPacket<float>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   const Index whole = even_odd_length(K);
   for (Index r = 0; r < n; ++r)
-    for (Index k = 0; k < whole; k += 32) {
-      __m512 e, o;
-      split_even_odd(_mm512_loadu_ps(A + r * lda + k), _mm512_loadu_ps(A + r * lda + k + 16), e,
-                     o);
-      _mm512_storeu_ps(Ap + r * whole + k, e);
-      _mm512_storeu_ps(Ap + r * whole + k + 16, o);
+    for (Index k = 0; k < whole; k += 2 * L) {
+      P e, o;
+      split_even_odd(Eigen::internal::ploadu<P>(A + r * lda + k),
+                     Eigen::internal::ploadu<P>(A + r * lda + k + L), e, o);
+      Eigen::internal::pstoreu(Ap + r * whole + k, e);
+      Eigen::internal::pstoreu(Ap + r * whole + k + L, o);
     }
 }
 
 /// The even/odd products of W's rows j < G against A's rows r < RA (laid out by even_odd_rows(),
-/// rows at lda) over k < `whole` (a multiple of 16 kRowChains), put back into the plain loop's
+/// rows at lda) over k < `whole` (a multiple of L kRowChains), put back into the plain loop's
 /// chains acc[g][r][c] (which start at zero): lane t of chain 2q is the even accumulator's lane
-/// t / 2 (t even) or the odd one's (t odd), chain 2q + 1 the same from their lanes 8 and up.
+/// t / 2 (t even) or the odd one's (t odd), chain 2q + 1 the same from their lanes L / 2 and up.
 template <int G, int RA>
 EIGEN_ALWAYS_INLINE void even_odd_chains(const float* Ap, Index lda, const std::uint16_t* W,
-                                         Index ldw, Index whole, __m512 (&acc)[G][RA][kRowChains]) {
+                                         Index ldw, Index whole,
+                                         GemmPacket<float> (&acc)[G][RA][kRowChains]) {
+  using P = GemmPacket<float>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   constexpr int kPairs = kRowChains / 2;
-  __m512 ev[G][RA][kPairs], od[G][RA][kPairs];
+  P ev[G][RA][kPairs], od[G][RA][kPairs];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < RA; ++r)
-      for (int q = 0; q < kPairs; ++q) ev[g][r][q] = od[g][r][q] = _mm512_setzero_ps();
-  for (Index k = 0; k < whole; k += 16 * kRowChains)
+      for (int q = 0; q < kPairs; ++q) ev[g][r][q] = od[g][r][q] = Eigen::internal::pset1<P>(0.f);
+  for (Index k = 0; k < whole; k += L * kRowChains)
     for (int q = 0; q < kPairs; ++q) {
-      __m512 ae[RA], ao[RA];
+      P ae[RA], ao[RA];
       for (int r = 0; r < RA; ++r) {
-        ae[r] = _mm512_loadu_ps(Ap + r * lda + k + 32 * q);
-        ao[r] = _mm512_loadu_ps(Ap + r * lda + k + 32 * q + 16);
+        ae[r] = Eigen::internal::ploadu<P>(Ap + r * lda + k + 2 * L * q);
+        ao[r] = Eigen::internal::ploadu<P>(Ap + r * lda + k + 2 * L * q + L);
       }
       for (int g = 0; g < G; ++g) {
-        __m512 we, wo;
-        widen_even_odd(W + g * ldw + k + 32 * q, we, wo);
+        P we, wo;
+        widen_even_odd(W + g * ldw + k + 2 * L * q, we, wo);
         for (int r = 0; r < RA; ++r) {
-          ev[g][r][q] = _mm512_fmadd_ps(ae[r], we, ev[g][r][q]);
-          od[g][r][q] = _mm512_fmadd_ps(ao[r], wo, od[g][r][q]);
+          ev[g][r][q] = Eigen::internal::pmadd(ae[r], we, ev[g][r][q]);
+          od[g][r][q] = Eigen::internal::pmadd(ao[r], wo, od[g][r][q]);
         }
       }
     }
@@ -729,7 +771,7 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
     }
   };
   Index k = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   if constexpr (kEvenOdd) {
     k = whole / kStep * kStep;
     even_odd_chains<G, RA>(Ap, ldap, W, ldw, k, acc);
@@ -841,7 +883,7 @@ template <class T, class Src>
 void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count, Index K,
                   T* C, Index ldc, bool accumulate, [[maybe_unused]] Arena* arena = nullptr) {
   if (K > kShortRow) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     if constexpr (even_odd_widening<T, Src>()) {
       const Index ldap = even_odd_length(K);
       if (arena != nullptr && ldap > 0) {
