@@ -42,7 +42,9 @@ struct KernelTuning {
   /// The tuning for a CPU that identifies itself with these CPUID words: leaf 0's ebx, edx and
   /// ecx (the vendor) and leaf 1's eax (family, model). AMD family 26 or later (Zen 5): one
   /// weight stream and float caches prefetched, as measured there (session 12); any other CPU
-  /// the defaults above, measured on Zen 4 only (sessions 11 and 13; Intel unmeasured).
+  /// the defaults above, measured on Zen 4 (sessions 11 and 13) and on Zen 3 (AVX2, so at most
+  /// 3 streams: one or two made the float LLaMA3-8B step 1.26x and 1.05x slower; prefetching
+  /// its float cache undecided, 0.91-1.10x over three runs; session 19); Intel unmeasured.
   static KernelTuning for_cpuid(unsigned ebx0, unsigned edx0, unsigned ecx0, unsigned eax1) {
     KernelTuning t;
     // "AuthenticAMD" in ebx, edx, ecx.
