@@ -480,8 +480,8 @@ TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
     }
 }
 
-// With an arena, long bfloat16 rows go through the even/odd loop where the build has it
-// (float, AVX-512 or AVX2: two packets widened per full-width load, A's rows laid out to match): every
+// With an arena, long bfloat16 rows go through the even/odd loop where the build has it (float,
+// AVX-512 or AVX2: two packets widened per full-width load, A's rows laid out to match): every
 // element keeps the bits of the plain loop, for strided rows of A, one or more rows (tiles of W
 // and pairs of A), every weight_streams setting, whole steps and the packets and elements left
 // over, accumulating or not; the arena is given back. Elsewhere both calls take the plain loop.

@@ -394,7 +394,7 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
   constexpr Index L = packet_size<T>();
   constexpr Index kLines = (NP * L * Index(sizeof(Src)) + 63) / 64;  // of the panel's columns
   [[maybe_unused]] const Index ahead = kPrefetch ? prefetch_rows(row_bytes) : 0;
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(EIGEN_VECTORIZE_AVX2)
   // A bfloat16 cache, pairs of packets: each full-width load (64 bytes with AVX-512, 32 with
   // AVX2) widened into its even and its odd columns (widen_even_odd(): a shift and a mask, against a widening shuffle and a shift per
   // packet), the accumulators held in the same order between split_even_odd() and
@@ -416,7 +416,8 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
                        std::make_integer_sequence<Index, kLines>{});
       P ve[kPairs], vo[kPairs];
       MOH_DETAIL_UNROLL_REGISTERS
-      for (int q = 0; q < kPairs; ++q) widen_even_odd(v + c * v_stride + x0 + 2 * q * L, ve[q], vo[q]);
+      for (int q = 0; q < kPairs; ++q)
+        widen_even_odd(v + c * v_stride + x0 + 2 * q * L, ve[q], vo[q]);
       MOH_DETAIL_UNROLL_REGISTERS
       for (int r = 0; r < NQ; ++r) {
         const P w = Eigen::internal::pset1<P>(W[r * ldw + c]);

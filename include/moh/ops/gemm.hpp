@@ -613,8 +613,11 @@ EIGEN_ALWAYS_INLINE void for_row_pairs(Index n, Fn&& fn) {
 /// anything is added, so every element keeps its bits. Standalone (one row of A against 4 x 64
 /// rows of 4096, from L2, Zen 5, medians of 15) the plain loop read 34 GB/s one row at a time,
 /// this one 65; the bfloat16 LLaMA3-8B step, bound by memory on Zen 5, took 0.99-1.01x its time
-/// (4 alternating rounds, session 15). On Zen 3 (AVX2, session 19), where the plain loop's
-/// widening bounds the bfloat16 step, see bench/results/decode-operating-points.md.
+/// (4 alternating rounds, session 15). On Zen 3 (AVX2, session 19) the widening bounded the
+/// plain loop: one row against 4 x 4096 x 4096 from memory read 18-21 GB/s, this one 21-22; the
+/// weighted values over a bfloat16 cache 5.5-5.9 against 8.2-8.7 (its step 0.85x).
+/// Compiled where Eigen vectorizes with AVX2 or AVX-512 (EIGEN_VECTORIZE_AVX2, which AVX-512
+/// builds define too): the helpers take Eigen's packets, which are plain floats when it does not.
 template <class T, class Src>
 constexpr bool even_odd_widening() {
   if constexpr (!std::is_same<T, float>::value || !std::is_same<Src, std::uint16_t>::value ||
@@ -631,7 +634,7 @@ constexpr bool even_odd_widening() {
   }
 }
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(EIGEN_VECTORIZE_AVX2)
 #if defined(__AVX512F__)
 /// The 32 bfloat16 at p as floats: e holds the even elements (lane i: element 2i), o the odd.
 EIGEN_ALWAYS_INLINE void widen_even_odd(const std::uint16_t* p, __m512& e, __m512& o) {
@@ -771,7 +774,7 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
     }
   };
   Index k = 0;
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(EIGEN_VECTORIZE_AVX2)
   if constexpr (kEvenOdd) {
     k = whole / kStep * kStep;
     even_odd_chains<G, RA>(Ap, ldap, W, ldw, k, acc);
@@ -883,7 +886,7 @@ template <class T, class Src>
 void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count, Index K,
                   T* C, Index ldc, bool accumulate, [[maybe_unused]] Arena* arena = nullptr) {
   if (K > kShortRow) {
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(EIGEN_VECTORIZE_AVX2)
     if constexpr (even_odd_widening<T, Src>()) {
       const Index ldap = even_odd_length(K);
       if (arena != nullptr && ldap > 0) {
