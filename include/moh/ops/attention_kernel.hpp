@@ -396,9 +396,10 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
   [[maybe_unused]] const Index ahead = kPrefetch ? prefetch_rows(row_bytes) : 0;
 #if defined(EIGEN_VECTORIZE_AVX2)
   // A bfloat16 cache, pairs of packets: each full-width load (64 bytes with AVX-512, 32 with
-  // AVX2) widened into its even and its odd columns (widen_even_odd(): a shift and a mask, against a widening shuffle and a shift per
-  // packet), the accumulators held in the same order between split_even_odd() and
-  // merge_even_odd(). Each column's chain is the same, so are its bits.
+  // AVX2) widened into its even and its odd columns (widen_even_odd(): a shift and a mask,
+  // against a widening shuffle and a shift per packet), the accumulators held in the same order
+  // between split_even_odd() and merge_even_odd(). Each column's chain is the same, so are its
+  // bits.
   if constexpr (even_odd_widening<T, Src>() && NP % 2 == 0) {
     constexpr int kPairs = NP / 2;
     P ev[NQ][kPairs], od[NQ][kPairs];
