@@ -4,6 +4,7 @@
 // cache-style shift, key padding, rows that see nothing, gathered query positions, strided
 // buffers, large scores; decode-sized groups of 3-4 queries over narrow and wide heads, prefetched
 // and not; one query's scores, sixteen keys at a time, against one chain per key, bit for bit;
+// the weighted values of 1-4 queries against one chain per element, bit for bit;
 // the same bits with and without a Workspace (reused across sizes); and
 // the size and stride checks (moh::Error).
 #include "moh/ops/attention_kernel.hpp"
@@ -218,7 +219,7 @@ TEST(AttentionKernel, FewQueriesOverSeveralLongKeyBlocks) {
 
 // A decode step's group of 3 or 4 query heads: the weighted values go in groups of queries whose
 // accumulators fit the registers (all of them over narrow heads; pairs or one by one over wide
-// ones, each pass over runs of 128 keys), the scores one key at a time. Heads of 2-16 packets,
+// ones, each pass over runs of keys: value_run()), the scores one key at a time. Heads of 2-16 packets,
 // key counts around the runs, float and double, with padding and a causal cache shift; each
 // case with the cache prefetched and not (KernelTuning::prefetch_float_cache), which must give
 // the same bits.
@@ -333,6 +334,62 @@ TEST(AttentionKernel, OneQueryScoresHaveTheBitsOfOneChainPerKey) {
               << "key " << c << ": " << got[c] << " vs " << want;
         }
         EXPECT_EQ(got[nk], -1.0f) << "wrote past the last key";
+      }
+}
+
+// A decode step's weighted values, A[r, :] += sum_c W[r, c] v_c, have the bits of one chain per
+// element over the keys in order (Eigen's pmadd, packet by packet), whatever the groups of
+// queries, the column panels and the runs of keys (value_run()) they are computed in: for 1-4
+// queries, heads of 1-16 packets, key counts around the runs (64 float rows of 128 with AVX2,
+// 128 otherwise), value rows at a stride wider than the head, float and bfloat16 values (widened
+// in registers: the bits of their widened floats). Nothing is written past A's d columns.
+TEST(AttentionKernel, FewQueryValuesHaveTheBitsOfOneChainPerElement) {
+  using P = moh::detail::GemmPacket<float>;
+  const Index L = moh::detail::packet_size<float>();
+  const auto check = [&](auto queries, Index d, Index v_stride, Index nk) {
+    constexpr int NQ = decltype(queries)::value;
+    SCOPED_TRACE(testing::Message() << "queries " << NQ << " d " << d << " v_stride " << v_stride
+                                    << " nk " << nk);
+    const Index ldw = nk + 5, lda = d + L;
+    const Matrix<float> W = moh_test::random_matrix<float>(NQ, ldw, 200 + d + nk);
+    Matrix<float> V = moh_test::random_matrix<float>(std::max<Index>(nk, 1), v_stride, 201 + nk);
+    std::vector<std::uint16_t> v16(static_cast<std::size_t>(V.size()));
+    for (Index i = 0; i < V.size(); ++i) {
+      v16[static_cast<std::size_t>(i)] = moh::float_to_bfloat16(V.data()[i]);
+      V.data()[i] = moh::bfloat16_to_float(v16[static_cast<std::size_t>(i)]);
+    }
+    const Matrix<float> A0 = moh_test::random_matrix<float>(NQ, lda, 202 + d);
+    // Row-major: W's row r at W.data() + r * ldw, value row c at V.data() + c * v_stride, A's row
+    // r at A.data() + r * lda (A0's columns past d must survive).
+    std::vector<float> want(static_cast<std::size_t>(A0.size()));
+    std::memcpy(want.data(), A0.data(), want.size() * sizeof(float));
+    for (Index r = 0; r < NQ; ++r)
+      for (Index x = 0; x < d; x += L) {
+        P acc = Eigen::internal::ploadu<P>(want.data() + r * lda + x);
+        for (Index c = 0; c < nk; ++c)
+          acc = Eigen::internal::pmadd(Eigen::internal::pset1<P>(W.data()[r * ldw + c]),
+                                       Eigen::internal::ploadu<P>(V.data() + c * v_stride + x),
+                                       acc);
+        Eigen::internal::pstoreu(want.data() + r * lda + x, acc);
+      }
+    Matrix<float> got = A0, got16 = A0;
+    moh::detail::few_query_values<float, NQ>(W.data(), ldw, V.data(), v_stride, nk, d,
+                                             got.data(), lda);
+    moh::detail::few_query_values<float, NQ>(W.data(), ldw, v16.data(), v_stride, nk, d,
+                                             got16.data(), lda);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0) << "float";
+    EXPECT_EQ(std::memcmp(got16.data(), want.data(), want.size() * sizeof(float)), 0)
+        << "bfloat16";
+  };
+  for (Index packets : {Index(1), Index(2), Index(4), Index(5), Index(8), Index(16)})
+    for (Index extra : {Index(0), Index(3) * L})
+      for (Index nk : {Index(0), Index(1), Index(17), Index(63), Index(64), Index(65),
+                       Index(128), Index(129), Index(300)}) {
+        const Index d = packets * L;
+        check(std::integral_constant<int, 1>{}, d, d + extra, nk);
+        check(std::integral_constant<int, 2>{}, d, d + extra, nk);
+        check(std::integral_constant<int, 3>{}, d, d + extra, nk);
+        check(std::integral_constant<int, 4>{}, d, d + extra, nk);
       }
 }
 

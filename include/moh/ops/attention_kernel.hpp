@@ -496,6 +496,26 @@ constexpr int kValueAccumulators = 16;
 constexpr int kValueAccumulators = 8;
 #endif
 
+// Keys per run of the weighted values' passes (few_query_values()), and the most bytes of
+// values a run holds where that is less. With AVX2's 8 accumulators 4 queries of 128 make 8
+// passes over each run, each reading half of its rows: runs of 128 float rows (64 KiB) sent the
+// later passes to L2, runs of 64 (32 KiB, Zen 3's L1) kept them in L1. Standalone (4 queries of
+// 128 over 64 blocks of 4096 keys from memory, medians of 15, 3 alternating runs, Zen 3, session
+// 20): 13.4-13.8 GB/s against 11.2-11.6 at 128; 32 keys 12.4-12.6; a bfloat16 cache (128 keys of
+// 256 bytes, unchanged) the same at 64 or 128. AVX-512's 2 passes of 2 queries keep 128 keys
+// of any size (not measured with fewer).
+constexpr Index kValueRun = 128;
+#ifdef EIGEN_VECTORIZE_AVX512
+constexpr Index kValueRunBytes = std::numeric_limits<Index>::max();
+#else
+constexpr Index kValueRunBytes = 32 * 1024;
+#endif
+
+/// Keys per run of the weighted values for rows of `row_bytes`.
+inline Index value_run(Index row_bytes) {
+  return std::max<Index>(16, std::min(kValueRun, kValueRunBytes / std::max<Index>(1, row_bytes)));
+}
+
 /// Packets of columns a weighted-value panel of `queries` queries spans.
 constexpr int value_panel_packets(int queries) {
   return std::min(8, std::max(1, kValueAccumulators / queries));
@@ -532,15 +552,14 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
   const int group = NQ * wide <= kValueAccumulators ? NQ
                     : 2 * wide <= kValueAccumulators ? std::min(2, NQ)
                                                      : 1;
-  // More than one pass (groups or panels) goes over the values in runs of kRun keys, every pass
-  // per run, so that the later passes find the run in L1/L2 (each element's chain over the keys
-  // stays in order: its accumulator is stored and reloaded between runs, exactly).
-  constexpr Index kRun = 128;
+  // More than one pass (groups or panels) goes over the values in runs of value_run() keys,
+  // every pass per run, so that the later passes find the run in L1/L2 (each element's chain over the keys stays in order: its accumulator is
+  // stored and reloaded between runs, exactly).
+  const Index row_bytes = d * static_cast<Index>(sizeof(Src));
   const bool one_pass = group == NQ && d <= value_panel_packets(NQ) * L;
-  const Index run = one_pass ? nk : kRun;
+  const Index run = one_pass ? nk : value_run(row_bytes);
   // For 3 or more queries (as the scores), the first group's panels ask for their columns of
   // the rows ahead, up to the block's last (the later groups find them in the caches).
-  const Index row_bytes = d * static_cast<Index>(sizeof(Src));
   const bool prefetch = prefetch_few_query<T, NQ, Src>();
   for (Index c0 = 0; c0 < nk; c0 += run) {
     const Index n = std::min(run, nk - c0);
