@@ -3,7 +3,7 @@
 // that cross the 256-key and 64-query blocks, odd head sizes, causal masks with and without a
 // cache-style shift, key padding, rows that see nothing, gathered query positions, strided
 // buffers, large scores; decode-sized groups of 3-4 queries over narrow and wide heads, prefetched
-// and not; one query's scores, sixteen keys at a time, against one chain per key, bit for bit;
+// and not; the scores of 1-4 queries against one chain per key, bit for bit;
 // the weighted values of 1-4 queries against one chain per element, bit for bit;
 // the same bits with and without a Workspace (reused across sizes); and
 // the size and stride checks (moh::Error).
@@ -219,10 +219,10 @@ TEST(AttentionKernel, FewQueriesOverSeveralLongKeyBlocks) {
 
 // A decode step's group of 3 or 4 query heads: the weighted values go in groups of queries whose
 // accumulators fit the registers (all of them over narrow heads; pairs or one by one over wide
-// ones, each pass over runs of keys: value_run()), the scores one key at a time. Heads of 2-16 packets,
-// key counts around the runs, float and double, with padding and a causal cache shift; each
-// case with the cache prefetched and not (KernelTuning::prefetch_float_cache), which must give
-// the same bits.
+// ones, each pass over runs of keys: value_run()), the scores one key at a time. Heads of 2-16
+// packets, key counts around the runs, float and double, with padding and a causal cache shift;
+// each case with the cache prefetched and not (KernelTuning::prefetch_float_cache), which must
+// give the same bits.
 TEST(AttentionKernel, FewQueriesInGroupsOverNarrowAndWideHeads) {
   const moh::KernelTuning saved = moh::kernel_tuning();
   const RestoreTuning restore{saved};
@@ -302,38 +302,52 @@ TEST(AttentionKernel, BFloat16CacheGivesTheBitsOfItsWidenedFloats) {
       }
 }
 
-// A decode step's one query per key/value head: its scores, sixteen keys at a time where
-// AVX-512 reduces them together, have the bits of one chain per key over the packets in order
-// and Eigen's predux (what the other few-query kernels and the tail compute), for key counts
-// around multiples of 16 and key rows at a stride wider than the head.
-TEST(AttentionKernel, OneQueryScoresHaveTheBitsOfOneChainPerKey) {
+// A decode step's few queries per key/value head: their scores (one query: sixteen keys at a
+// time where AVX-512 reduces them together; two: four keys at a time; three or four: one key at
+// a time, the loops over the head unrolled) have the bits of one chain per (query, key) over the
+// packets in order and Eigen's predux (what the tail computes), for 1-4 queries, key counts
+// around multiples of 16 and key rows at a stride wider than the head. Nothing is written past
+// the last key.
+TEST(AttentionKernel, FewQueryScoresHaveTheBitsOfOneChainPerKey) {
   using P = moh::detail::GemmPacket<float>;
   const Index L = moh::detail::packet_size<float>();
-  for (Index packets : {Index(1), Index(2), Index(4), Index(5), Index(8)})
+  const auto check = [&](auto queries, Index d, Index k_stride, Index nk) {
+    constexpr int NQ = decltype(queries)::value;
+    SCOPED_TRACE(testing::Message() << "queries " << NQ << " d " << d << " k_stride " << k_stride
+                                    << " nk " << nk);
+    const Index q_stride = d + L, ld = nk + 1;
+    const Matrix<float> q = moh_test::random_matrix<float>(NQ, q_stride, 90 + d);
+    const Matrix<float> K =
+        moh_test::random_matrix<float>(std::max<Index>(nk, 1), k_stride, 91 + d + nk);
+    const float scale = 0.37f;
+    // Row-major: query r at q.data() + r * q_stride, key c at K.data() + c * k_stride.
+    const float* k = K.data();
+    std::vector<float> got(static_cast<std::size_t>(NQ * ld), -1.0f);
+    moh::detail::few_query_scores<float, NQ>(q.data(), q_stride, k, k_stride, nk, d, scale,
+                                             got.data(), ld);
+    for (Index r = 0; r < NQ; ++r) {
+      for (Index c = 0; c < nk; ++c) {
+        P acc = Eigen::internal::pset1<P>(0.0f);
+        for (Index x = 0; x < d; x += L)
+          acc = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q.data() + r * q_stride + x),
+                                       Eigen::internal::ploadu<P>(k + c * k_stride + x), acc);
+        const float want = scale * Eigen::internal::predux(acc);
+        const float g = got[static_cast<std::size_t>(r * ld + c)];
+        ASSERT_EQ(std::memcmp(&g, &want, sizeof want), 0)
+            << "query " << r << " key " << c << ": " << g << " vs " << want;
+      }
+      EXPECT_EQ(got[static_cast<std::size_t>(r * ld + nk)], -1.0f) << "wrote past the last key";
+    }
+  };
+  for (Index packets : {Index(1), Index(2), Index(4), Index(5), Index(8), Index(16)})
     for (Index extra : {Index(0), Index(3) * L})
       for (Index nk : {Index(0), Index(1), Index(15), Index(16), Index(17), Index(35), Index(48),
                        Index(300)}) {
-        const Index d = packets * L, k_stride = d + extra;
-        SCOPED_TRACE(testing::Message() << "d " << d << " k_stride " << k_stride << " nk " << nk);
-        const Matrix<float> q = moh_test::random_matrix<float>(1, d, 90 + d);
-        const Matrix<float> K = moh_test::random_matrix<float>(std::max<Index>(nk, 1), k_stride,
-                                                               91 + d + nk);
-        const float scale = 0.37f;
-        // Row-major K: key c at K.data() + c * k_stride.
-        const float* k = K.data();
-        std::vector<float> got(static_cast<std::size_t>(nk) + 1, -1.0f);
-        moh::detail::few_query_scores<float, 1>(q.data(), d, k, k_stride, nk, d, scale,
-                                                got.data(), nk);
-        for (Index c = 0; c < nk; ++c) {
-          P acc = Eigen::internal::pset1<P>(0.0f);
-          for (Index x = 0; x < d; x += L)
-            acc = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q.data() + x),
-                                         Eigen::internal::ploadu<P>(k + c * k_stride + x), acc);
-          const float want = scale * Eigen::internal::predux(acc);
-          ASSERT_EQ(std::memcmp(&got[c], &want, sizeof want), 0)
-              << "key " << c << ": " << got[c] << " vs " << want;
-        }
-        EXPECT_EQ(got[nk], -1.0f) << "wrote past the last key";
+        const Index d = packets * L;
+        check(std::integral_constant<int, 1>{}, d, d + extra, nk);
+        check(std::integral_constant<int, 2>{}, d, d + extra, nk);
+        check(std::integral_constant<int, 3>{}, d, d + extra, nk);
+        check(std::integral_constant<int, 4>{}, d, d + extra, nk);
       }
 }
 

@@ -23,11 +23,11 @@
 #include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
 
-// Put before each loop over the register arrays of the weighted-value panel (their
-// initialisation, use and store): GCC 12 unrolls such loops only after it has placed the arrays
-// in memory, and then stored the bfloat16 panel's 16 accumulators to the stack on every key.
-// Unrolled from the start, the arrays become registers. Other compilers need no hint; #undef at
-// the end of this header.
+// Put before each loop over the register arrays of the weighted-value panel and of the scores
+// of 3 or more queries (their initialisation, use and store): GCC 12 unrolls such loops only
+// after it has placed the arrays in memory, and then stored the bfloat16 panel's 16
+// accumulators to the stack on every key. Unrolled from the start, the arrays become registers.
+// Other compilers need no hint; #undef at the end of this header.
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8
 #define MOH_DETAIL_UNROLL_REGISTERS _Pragma("GCC unroll 16")
 #else
@@ -293,7 +293,12 @@ inline void scaled_sums_of_sixteen([[maybe_unused]] const GemmPacket<T>* a,
 /// of 128 over 16 MB, session 14; a plain sum 26-27), and four rows in step at 7-9: rows side by
 /// side defeat the hardware prefetcher. The sums and their order are the same either way.
 /// DP: the head's packets when known at compile time (the loops over d unrolled: 2-4x faster
-/// for 2 or 4 queries of 128 floats, measured), 0 when not.
+/// for 2 or 4 queries of 128 floats, measured), 0 when not. The loops over the accumulators of
+/// 3 or more queries are unrolled by hint (MOH_DETAIL_UNROLL_REGISTERS): with AVX2's 16 packets
+/// of a 128 head GCC 12 left the loop over d rolled in a standalone program and kept the 4
+/// accumulators on the stack, every multiply-add waiting for the store before it (Zen 3,
+/// session 20: 4 queries read a float cache at 7.8 GB/s from memory, 15 unrolled; bfloat16 4.0
+/// and 12). Inlined into the library's attention it had them in registers already.
 template <class T, int NQ, int DP, class Src>
 void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_stride, Index nk,
                          Index head_dim, T scale, T* S, Index ld) {
@@ -328,15 +333,22 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
       for (int j = 0; j < KB; ++j)
         prefetch_bytes(k + std::min(c + ahead + j, nk - 1) * k_stride, row_bytes);
     P acc[NQ][KB];
-    for (int r = 0; r < NQ; ++r)
+    MOH_DETAIL_UNROLL_REGISTERS
+    for (int r = 0; r < NQ; ++r) {
+      MOH_DETAIL_UNROLL_REGISTERS
       for (int j = 0; j < KB; ++j) acc[r][j] = Eigen::internal::pset1<P>(T(0));
+    }
     const Src* kc = k + c * k_stride;
     if constexpr (NQ >= 3) {
+      MOH_DETAIL_UNROLL_REGISTERS
       for (Index x = 0; x < d; x += L) {
         P kv[KB];
+        MOH_DETAIL_UNROLL_REGISTERS
         for (int j = 0; j < KB; ++j) kv[j] = load_packet<T>(kc + j * k_stride + x);
+        MOH_DETAIL_UNROLL_REGISTERS
         for (int r = 0; r < NQ; ++r) {
           const P qv = Eigen::internal::ploadu<P>(q + r * q_stride + x);
+          MOH_DETAIL_UNROLL_REGISTERS
           for (int j = 0; j < KB; ++j) acc[r][j] = Eigen::internal::pmadd(qv, kv[j], acc[r][j]);
         }
       }
@@ -553,8 +565,8 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
                     : 2 * wide <= kValueAccumulators ? std::min(2, NQ)
                                                      : 1;
   // More than one pass (groups or panels) goes over the values in runs of value_run() keys,
-  // every pass per run, so that the later passes find the run in L1/L2 (each element's chain over the keys stays in order: its accumulator is
-  // stored and reloaded between runs, exactly).
+  // every pass per run, so that the later passes find the run in L1/L2 (each element's chain
+  // over the keys stays in order: its accumulator is stored and reloaded between runs, exactly).
   const Index row_bytes = d * static_cast<Index>(sizeof(Src));
   const bool one_pass = group == NQ && d <= value_panel_packets(NQ) * L;
   const Index run = one_pass ? nk : value_run(row_bytes);
