@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <vector>
@@ -302,6 +303,23 @@ TEST(AttentionKernel, BFloat16CacheGivesTheBitsOfItsWidenedFloats) {
       }
 }
 
+/// Calls check(std::integral_constant<int, n>{}, d, row_stride, nk) for n = 1-4 queries, heads
+/// of 1-16 float packets, rows at the head's size or 3 packets wider, and each key count given:
+/// the sweep of the few-query kernels' bit tests.
+template <class Check>
+void sweep_few_queries(std::initializer_list<Index> key_counts, Check check) {
+  const Index L = moh::detail::packet_size<float>();
+  for (Index packets : {Index(1), Index(2), Index(4), Index(5), Index(8), Index(16)})
+    for (Index extra : {Index(0), Index(3) * L})
+      for (Index nk : key_counts) {
+        const Index d = packets * L;
+        check(std::integral_constant<int, 1>{}, d, d + extra, nk);
+        check(std::integral_constant<int, 2>{}, d, d + extra, nk);
+        check(std::integral_constant<int, 3>{}, d, d + extra, nk);
+        check(std::integral_constant<int, 4>{}, d, d + extra, nk);
+      }
+}
+
 // A decode step's few queries per key/value head: their scores (one query: sixteen keys at a
 // time where AVX-512 reduces them together; two: four keys at a time; three or four: one key at
 // a time, the loops over the head unrolled) have the bits of one chain per (query, key) over the
@@ -339,16 +357,7 @@ TEST(AttentionKernel, FewQueryScoresHaveTheBitsOfOneChainPerKey) {
       EXPECT_EQ(got[static_cast<std::size_t>(r * ld + nk)], -1.0f) << "wrote past the last key";
     }
   };
-  for (Index packets : {Index(1), Index(2), Index(4), Index(5), Index(8), Index(16)})
-    for (Index extra : {Index(0), Index(3) * L})
-      for (Index nk : {Index(0), Index(1), Index(15), Index(16), Index(17), Index(35), Index(48),
-                       Index(300)}) {
-        const Index d = packets * L;
-        check(std::integral_constant<int, 1>{}, d, d + extra, nk);
-        check(std::integral_constant<int, 2>{}, d, d + extra, nk);
-        check(std::integral_constant<int, 3>{}, d, d + extra, nk);
-        check(std::integral_constant<int, 4>{}, d, d + extra, nk);
-      }
+  sweep_few_queries({0, 1, 15, 16, 17, 35, 48, 300}, check);
 }
 
 // A decode step's weighted values, A[r, :] += sum_c W[r, c] v_c, have the bits of one chain per
@@ -395,16 +404,7 @@ TEST(AttentionKernel, FewQueryValuesHaveTheBitsOfOneChainPerElement) {
     EXPECT_EQ(std::memcmp(got16.data(), want.data(), want.size() * sizeof(float)), 0)
         << "bfloat16";
   };
-  for (Index packets : {Index(1), Index(2), Index(4), Index(5), Index(8), Index(16)})
-    for (Index extra : {Index(0), Index(3) * L})
-      for (Index nk : {Index(0), Index(1), Index(17), Index(63), Index(64), Index(65),
-                       Index(128), Index(129), Index(300)}) {
-        const Index d = packets * L;
-        check(std::integral_constant<int, 1>{}, d, d + extra, nk);
-        check(std::integral_constant<int, 2>{}, d, d + extra, nk);
-        check(std::integral_constant<int, 3>{}, d, d + extra, nk);
-        check(std::integral_constant<int, 4>{}, d, d + extra, nk);
-      }
+  sweep_few_queries({0, 1, 17, 63, 64, 65, 128, 129, 300}, check);
 }
 
 TEST(AttentionKernel, GatheredQueryPositions) {
