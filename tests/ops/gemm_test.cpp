@@ -516,6 +516,67 @@ TEST(RowsProduct, BFloat16LongRowsKeepTheirBitsThroughTheEvenOddLoop) {
   moh::set_kernel_tuning(saved);
 }
 
+// The chains that rows_product() promises for long rows, written out plainly: packet p of a row
+// into chain p % row_chains() (one multiply-add per packet, in order), the chains added
+// pairwise, then reduced. Every route (one row of A with each weight_streams setting, tiles of W
+// against pairs of rows, the even/odd loop with an arena) gives each element exactly these bits,
+// from float and from bfloat16 weights (2 chains for bfloat16 on AVX2, 4 otherwise; K whole
+// packets, so that no product is left to add one by one).
+template <class Src>
+float long_row_chains(const float* a, const Src* w, Index K) {
+  using P = moh::detail::GemmPacket<float>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
+  constexpr int C = moh::detail::row_chains<float, Src>();
+  std::vector<float> widened(static_cast<std::size_t>(K));
+  for (Index i = 0; i < K; ++i) widened[i] = moh::detail::load_scalar<float>(w + i);
+  std::array<P, C> acc;
+  acc.fill(Eigen::internal::pset1<P>(0.f));
+  for (Index p = 0; p < K / L; ++p)
+    acc[p % C] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(a + p * L),
+                                        Eigen::internal::ploadu<P>(widened.data() + p * L),
+                                        acc[p % C]);
+  for (int half = C / 2; half > 0; half /= 2)
+    for (int c = 0; c < half; ++c) acc[c] = Eigen::internal::padd(acc[c], acc[c + half]);
+  return Eigen::internal::predux(acc[0]);
+}
+
+TEST(RowsProduct, LongRowsAreTheDocumentedChainsOnEveryRoute) {
+  constexpr Index L = Eigen::internal::unpacket_traits<moh::detail::GemmPacket<float>>::size;
+  const moh::KernelTuning saved = moh::kernel_tuning();
+  Arena arena;
+  const Index count = 14;  // tiles of 1-6 rows of W and the rows left over
+  // Packets past kShortRow: 33 and 130 of AVX2 (odd: 4 chains leave a packet over).
+  for (Index K : {(moh::detail::kShortRow / L + 1) * L, (1024 / L + 2) * L})
+    for (Index n : {Index(1), Index(2), Index(3)}) {
+      const Matrix<float> A = moh_test::random_matrix<float>(n, K, 50);
+      const Matrix<float> W = moh_test::random_matrix<float>(count, K, 51);
+      const BFloat16Copy w(W);
+      Matrix<float> want(n, count), want_b(n, count);
+      for (Index r = 0; r < n; ++r)
+        for (Index j = 0; j < count; ++j) {
+          want(r, j) = long_row_chains(A.data() + r * K, W.data() + j * K, K);
+          want_b(r, j) = long_row_chains(A.data() + r * K, w.bits.data() + j * K, K);
+        }
+      for (int streams = 1; streams <= moh::KernelTuning::kMaxWeightStreams; ++streams) {
+        SCOPED_TRACE(testing::Message() << "K=" << K << " n=" << n << " streams=" << streams);
+        moh::KernelTuning t;
+        t.weight_streams = streams;
+        moh::set_kernel_tuning(t);
+        Matrix<float> C(n, count), Cb(n, count), Ce(n, count);
+        moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, C.data(), count,
+                                         false);
+        moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, Cb.data(),
+                                         count, false);
+        moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, Ce.data(),
+                                         count, false, &arena);
+        EXPECT_TRUE(BitEqual(C, want)) << "float";
+        EXPECT_TRUE(BitEqual(Cb, want_b)) << "bfloat16";
+        EXPECT_TRUE(BitEqual(Ce, want_b)) << "bfloat16 through the arena";
+      }
+    }
+  moh::set_kernel_tuning(saved);
+}
+
 }  // namespace
 
 namespace {

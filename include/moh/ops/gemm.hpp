@@ -567,11 +567,12 @@ constexpr Index kDotRows = 8;
 
 /// Rows of W up to this length are short (one head's slice of W_o): rows_product() gives each
 /// of them one chain, 8 rows at a time read one after the other (the core overlaps their
-/// chains); longer rows (a projection's, a router's) get kRowChains chains each.
+/// chains); longer rows (a projection's, a router's) get row_chains() chains each.
 constexpr Index kShortRow = 256;
 
-/// Partial sums per long row of W in rows_product(), and the rows of W that two rows of A take
-/// at a time (3 x 2 x 4 accumulators in AVX-512's 32 registers; 1 x 2 x 4 in 16).
+/// Partial sums per long row of W in rows_product() (but see row_chains()), and the rows of W
+/// that two rows of A take at a time (3 x 2 x 4 accumulators in AVX-512's 32 registers; 1 x 2 x
+/// 4 in 16).
 ///
 /// One row of A (a decode step of one sequence) reads KernelTuning::weight_streams rows of W side
 /// by side, the best pattern depending on the core (runtime/tuning.hpp). Standalone, one row of A
@@ -634,6 +635,34 @@ constexpr bool even_odd_widening() {
   }
 }
 
+/// Partial sums per long row of W from Src into T: kRowChains, but 2 for bfloat16 rows into
+/// float where AVX-512 is off, so that AVX2's 16 registers hold the accumulators of 6 rows read
+/// side by side instead of 3 (even_odd_chains(): one even and one odd accumulator per row).
+/// More rows in flight read memory faster on Zen 3 (session 21, one row of A against 4 x 4096
+/// x 4096 bfloat16, medians of 11, two runs): 3 rows of 4 chains 19.6-22.4 GB/s, 5 or 6 rows
+/// of 2 chains 24.8-26.0 (a plain one-stream sum 23-24; float's 3 rows of 4 chains 28.5-29).
+/// Every product of such rows (one row of A or more, with or without the even/odd layout) has
+/// the same chains, so a row's bits still depend on no other row.
+template <class T, class Src>
+constexpr int row_chains() {
+#if defined(__AVX512F__)
+  return kRowChains;
+#else
+  return even_odd_widening<T, Src>() ? 2 : kRowChains;
+#endif
+}
+/// Rows of W that one row of A reads side by side, at most: as many as kMaxStreams rows of
+/// kRowChains accumulators take.
+template <class T, class Src>
+constexpr int max_streams() {
+  return kMaxStreams * kRowChains / row_chains<T, Src>();
+}
+/// Rows of W per tile when more rows of A take them two at a time (kLongRowTile, likewise).
+template <class T, class Src>
+constexpr int long_row_tile() {
+  return kLongRowTile * kRowChains / row_chains<T, Src>();
+}
+
 #if defined(EIGEN_VECTORIZE_AVX2)
 #if defined(__AVX512F__)
 /// The 32 bfloat16 at p as floats: e holds the even elements (lane i: element 2i), o the odd.
@@ -684,9 +713,10 @@ EIGEN_ALWAYS_INLINE void merge_even_odd(__m256 e, __m256 o, __m256& a0, __m256& 
 }
 #endif
 
-/// Elements of a row of A that the even/odd loop reads: its whole steps of kRowChains packets.
+/// Elements of a row of A that the even/odd loop reads: its whole steps of row_chains() packets.
 inline Index even_odd_length(Index K) {
-  constexpr Index kStep = kRowChains * Eigen::internal::unpacket_traits<GemmPacket<float>>::size;
+  constexpr Index kStep = row_chains<float, std::uint16_t>() *
+                          Eigen::internal::unpacket_traits<GemmPacket<float>>::size;
   return K / kStep * kStep;
 }
 
@@ -707,21 +737,21 @@ inline void even_odd_rows(const float* A, Index lda, Index n, Index K, float* Ap
 }
 
 /// The even/odd products of W's rows j < G against A's rows r < RA (laid out by even_odd_rows(),
-/// rows at lda) over k < `whole` (a multiple of L kRowChains), put back into the plain loop's
-/// chains acc[g][r][c] (which start at zero): lane t of chain 2q is the even accumulator's lane
-/// t / 2 (t even) or the odd one's (t odd), chain 2q + 1 the same from their lanes L / 2 and up.
-template <int G, int RA>
+/// rows at lda) over k < `whole` (a multiple of L C), put back into the plain loop's C chains
+/// acc[g][r][c] (which start at zero): lane t of chain 2q is the even accumulator's lane t / 2
+/// (t even) or the odd one's (t odd), chain 2q + 1 the same from their lanes L / 2 and up.
+template <int G, int RA, int C>
 EIGEN_ALWAYS_INLINE void even_odd_chains(const float* Ap, Index lda, const std::uint16_t* W,
                                          Index ldw, Index whole,
-                                         GemmPacket<float> (&acc)[G][RA][kRowChains]) {
+                                         GemmPacket<float> (&acc)[G][RA][C]) {
   using P = GemmPacket<float>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
-  constexpr int kPairs = kRowChains / 2;
+  constexpr int kPairs = C / 2;
   P ev[G][RA][kPairs], od[G][RA][kPairs];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < RA; ++r)
       for (int q = 0; q < kPairs; ++q) ev[g][r][q] = od[g][r][q] = Eigen::internal::pset1<P>(0.f);
-  for (Index k = 0; k < whole; k += L * kRowChains)
+  for (Index k = 0; k < whole; k += L * C)
     for (int q = 0; q < kPairs; ++q) {
       P ae[RA], ao[RA];
       for (int r = 0; r < RA; ++r) {
@@ -745,11 +775,11 @@ EIGEN_ALWAYS_INLINE void even_odd_chains(const float* Ap, Index lda, const std::
 #endif
 
 /// C[r, jj] (+)= A[r, :] . W[jj, :] for r < RA and jj < G, W's rows long (T or bfloat16,
-/// widened in registers): packet p of a row goes to chain p % kRowChains, the chains are added
-/// pairwise (0 + 2, 1 + 3; then 0 + 1; so on for more chains), reduced, and the last K % L
-/// products are added one by one. The G rows of W share each load of A and the RA rows of A
-/// each load of W; the bits of an element depend on neither G nor RA.
-/// kEvenOdd (even_odd_widening() only): the whole steps of kRowChains packets come from
+/// widened in registers): packet p of a row goes to chain p % row_chains<T, Src>(),
+/// the chains are added pairwise (0 + 2, 1 + 3; then 0 + 1; so on for more chains), reduced,
+/// and the last K % L products are added one by one. The G rows of W share each load of A and
+/// the RA rows of A each load of W; the bits of an element depend on neither G nor RA.
+/// kEvenOdd (even_odd_widening() only): the whole steps of the chains' packets come from
 /// even_odd_chains() over `Ap`, A's rows laid out by even_odd_rows() (rows at ldap): the same
 /// bits.
 template <class T, int G, int RA, class Src, bool kEvenOdd = false>
@@ -759,12 +789,14 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
                                            [[maybe_unused]] Index ldap) {
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
-  constexpr Index kStep = kRowChains * L;
+  constexpr int kChains = row_chains<T, Src>();
+  static_assert((kChains & (kChains - 1)) == 0, "the chains are added pairwise");
+  constexpr Index kStep = kChains * L;
   const Index whole = K / L * L;
-  P acc[G][RA][kRowChains];
+  P acc[G][RA][kChains];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < RA; ++r)
-      for (int c = 0; c < kRowChains; ++c) acc[g][r][c] = Eigen::internal::pset1<P>(T(0));
+      for (int c = 0; c < kChains; ++c) acc[g][r][c] = Eigen::internal::pset1<P>(T(0));
   const auto chain = [&](Index k, int c) {
     P av[RA];
     for (int r = 0; r < RA; ++r) av[r] = Eigen::internal::ploadu<P>(A + r * lda + k);
@@ -781,15 +813,15 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
   }
 #endif
   for (; k + kStep <= whole; k += kStep)
-    for (int c = 0; c < kRowChains; ++c) chain(k + c * L, c);
-  // The last whole packets, fewer than kRowChains; c stays a constant of the unrolled loop (an
+    for (int c = 0; c < kChains; ++c) chain(k + c * L, c);
+  // The last whole packets, fewer than kChains; c stays a constant of the unrolled loop (an
   // index known only at run time would keep the accumulators in memory).
-  for (int c = 0; c < kRowChains; ++c)
+  for (int c = 0; c < kChains; ++c)
     if (k + c * L < whole) chain(k + c * L, c);
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < RA; ++r) {
       P* a = acc[g][r];
-      for (int half = kRowChains / 2; half > 0; half /= 2)
+      for (int half = kChains / 2; half > 0; half /= 2)
         for (int c = 0; c < half; ++c) a[c] = Eigen::internal::padd(a[c], a[c + half]);
       const T* ar = A + r * lda;
       const Src* w = W + g * ldw;
@@ -801,9 +833,10 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
 }
 
 /// rows_product() over long rows of W: one row of A reads W `streams` rows at a time, side by
-/// side (G = streams, the rest one by one); more rows of A take W kLongRowTile rows at a time
-/// against pairs of A rows, so that the rows of A, re-read from L1/L2 for every tile of W, are
-/// read that many times less often. No element's bits depend on either.
+/// side (G = streams, at most max_streams(); the rest one by one); more rows of A take W
+/// long_row_tile() rows at a time against pairs of A rows, so that the rows of A, re-read from
+/// L1/L2 for every tile of W, are read that many times less often. No element's bits depend on
+/// either.
 /// kEvenOdd: see rows_product_long() (Ap, ldap as there).
 template <class T, class Src, bool kEvenOdd = false>
 void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count,
@@ -820,19 +853,22 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
             kEvenOdd ? Ap + r * ldap : nullptr, ldap);
       });
   };
+  constexpr int kMost = max_streams<T, Src>();
+  static_assert(kMost <= KernelTuning::kMaxWeightStreams, "tiles for every streams setting");
   if (n > 1) {
-    tiles(std::integral_constant<int, kLongRowTile>{});
+    tiles(std::integral_constant<int, long_row_tile<T, Src>()>{});
   } else {
-    switch (std::min(weight_streams(), kMaxStreams)) {
-#if defined(EIGEN_VECTORIZE_AVX512)
-      case 6: tiles(std::integral_constant<int, 6>{}); break;
-      case 5: tiles(std::integral_constant<int, 5>{}); break;
-      case 4: tiles(std::integral_constant<int, 4>{}); break;
-#endif
-      case 3: tiles(std::integral_constant<int, 3>{}); break;
-      case 2: tiles(std::integral_constant<int, 2>{}); break;
-      default: break;
-    }
+    const int streams = std::min(weight_streams(), kMost);
+    // Tiles of `streams` rows, compiled only up to kMost (more would not fit the registers).
+    const auto side_by_side = [&](auto g_tile) {
+      if constexpr (decltype(g_tile)::value <= kMost)
+        if (streams == decltype(g_tile)::value) tiles(g_tile);
+    };
+    side_by_side(std::integral_constant<int, 6>{});
+    side_by_side(std::integral_constant<int, 5>{});
+    side_by_side(std::integral_constant<int, 4>{});
+    side_by_side(std::integral_constant<int, 3>{});
+    side_by_side(std::integral_constant<int, 2>{});
   }
   tiles(std::integral_constant<int, 1>{});
 }

@@ -24,7 +24,7 @@ namespace moh {
 struct KernelTuning {
   /// Most weight rows of a decode product's long rows (more than 256 elements) that one row of
   /// the input reads side by side, in [1, kMaxWeightStreams]; builds without AVX-512 use at
-  /// most 3.
+  /// most 3 of float weights (6 of bfloat16 weights on AVX2).
   int weight_streams = 6;
   /// Whether attention of 3 or more queries per key/value head over a float cache (a GQA group's
   /// decode step) prefetches the keys and values ahead of its reads. A bfloat16 cache always is.
