@@ -397,8 +397,8 @@ TEST(RowsProduct, MatchesNaiveFromFloatAndBFloat16AndAccumulates) {
       }
 }
 
-// The last rows of W that fill no group of 8 short rows, or no tile of 3 long rows, are the same
-// chains as in a whole group or tile: every count of rows gives each element the bits it has in
+// The last rows of W that fill no part of short rows, or no tile of long rows, are the same
+// chains as in a whole part or tile: every count of rows gives each element the bits it has in
 // a larger product.
 TEST(RowsProduct, AnElementDoesNotDependOnTheRowsOfWBesideIt) {
   const Index n = 3, most = 19;
@@ -516,37 +516,40 @@ TEST(RowsProduct, BFloat16LongRowsKeepTheirBitsThroughTheEvenOddLoop) {
   moh::set_kernel_tuning(saved);
 }
 
-// The chains that rows_product() promises for long rows, written out plainly: packet p of a row
-// into chain p % row_chains() (one multiply-add per packet, in order), the chains added
-// pairwise, then reduced. Every route (one row of A with each weight_streams setting, tiles of W
-// against pairs of rows, the even/odd loop with an arena) gives each element exactly these bits,
-// from float and from bfloat16 weights (2 chains for bfloat16 on AVX2, 4 otherwise; K whole
-// packets, so that no product is left to add one by one).
+// The chains that rows_product() promises, written out plainly: packet p of a row into chain
+// p % chains (one multiply-add per packet, in order), the chains added pairwise, then reduced;
+// short rows (K <= kShortRow) have one chain, long rows row_chains() (2 for bfloat16 on AVX2,
+// 4 otherwise). K is whole packets here, so that no product is left to add one by one.
 template <class Src>
-float long_row_chains(const float* a, const Src* w, Index K) {
+float documented_chains(const float* a, const Src* w, Index K) {
   using P = moh::detail::GemmPacket<float>;
-  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
-  constexpr int C = moh::detail::row_chains<float, Src>();
+  constexpr Index L = sizeof(P) / sizeof(float);
+  const int chains = K > moh::detail::kShortRow ? moh::detail::row_chains<float, Src>() : 1;
   std::vector<float> widened(static_cast<std::size_t>(K));
   for (Index i = 0; i < K; ++i) widened[i] = moh::detail::load_scalar<float>(w + i);
-  std::array<P, C> acc;
-  acc.fill(Eigen::internal::pset1<P>(0.f));
+  P acc[4];
+  for (P& c : acc) c = Eigen::internal::pset1<P>(0.f);
   for (Index p = 0; p < K / L; ++p)
-    acc[p % C] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(a + p * L),
-                                        Eigen::internal::ploadu<P>(widened.data() + p * L),
-                                        acc[p % C]);
-  for (int half = C / 2; half > 0; half /= 2)
+    acc[p % chains] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(a + p * L),
+                                             Eigen::internal::ploadu<P>(widened.data() + p * L),
+                                             acc[p % chains]);
+  for (int half = chains / 2; half > 0; half /= 2)
     for (int c = 0; c < half; ++c) acc[c] = Eigen::internal::padd(acc[c], acc[c + half]);
   return Eigen::internal::predux(acc[0]);
 }
 
-TEST(RowsProduct, LongRowsAreTheDocumentedChainsOnEveryRoute) {
-  constexpr Index L = Eigen::internal::unpacket_traits<moh::detail::GemmPacket<float>>::size;
+// Every route gives each element exactly those bits, from float and from bfloat16 weights: one
+// row of A with each weight_streams setting (long rows side by side, short rows in parts read
+// side by side), tiles of W against pairs of rows of A, the even/odd loop with an arena.
+TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
+  constexpr Index L = sizeof(moh::detail::GemmPacket<float>) / sizeof(float);
   const moh::KernelTuning saved = moh::kernel_tuning();
   Arena arena;
-  const Index count = 14;  // tiles of 1-6 rows of W and the rows left over
-  // Packets past kShortRow: 33 and 130 of AVX2 (odd: 4 chains leave a packet over).
-  for (Index K : {(moh::detail::kShortRow / L + 1) * L, (1024 / L + 2) * L})
+  const Index count = 14;  // tiles of 1-6 rows, parts of 2 or 4 rows, and the rows left over
+  // Short rows (a head of 128, the longest short row), then 33 and 130 packets of AVX2 (odd: 4
+  // chains leave a packet over).
+  for (Index K : {Index(128), moh::detail::kShortRow, (moh::detail::kShortRow / L + 1) * L,
+                  (1024 / L + 2) * L})
     for (Index n : {Index(1), Index(2), Index(3)}) {
       const Matrix<float> A = moh_test::random_matrix<float>(n, K, 50);
       const Matrix<float> W = moh_test::random_matrix<float>(count, K, 51);
@@ -554,8 +557,8 @@ TEST(RowsProduct, LongRowsAreTheDocumentedChainsOnEveryRoute) {
       Matrix<float> want(n, count), want_b(n, count);
       for (Index r = 0; r < n; ++r)
         for (Index j = 0; j < count; ++j) {
-          want(r, j) = long_row_chains(A.data() + r * K, W.data() + j * K, K);
-          want_b(r, j) = long_row_chains(A.data() + r * K, w.bits.data() + j * K, K);
+          want(r, j) = documented_chains(A.data() + r * K, W.data() + j * K, K);
+          want_b(r, j) = documented_chains(A.data() + r * K, w.bits.data() + j * K, K);
         }
       for (int streams = 1; streams <= moh::KernelTuning::kMaxWeightStreams; ++streams) {
         SCOPED_TRACE(testing::Message() << "K=" << K << " n=" << n << " streams=" << streams);

@@ -23,17 +23,6 @@
 #include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
 
-// Put before each loop over the register arrays of the weighted-value panel and of the scores
-// of 3 or more queries (their initialisation, use and store): GCC 12 unrolls such loops only
-// after it has placed the arrays in memory, and then stored the bfloat16 panel's 16
-// accumulators to the stack on every key. Unrolled from the start, the arrays become registers.
-// Other compilers need no hint; #undef at the end of this header.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8
-#define MOH_DETAIL_UNROLL_REGISTERS _Pragma("GCC unroll 16")
-#else
-#define MOH_DETAIL_UNROLL_REGISTERS
-#endif
-
 namespace moh {
 
 /// Which keys each query may see.
@@ -939,5 +928,3 @@ void attention(const AttentionQueries<T>& queries, const AttentionKeysValues<T>&
 }
 
 }  // namespace moh
-
-#undef MOH_DETAIL_UNROLL_REGISTERS

@@ -34,6 +34,17 @@
 #include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
 
+// Put before each loop over the register arrays of a kernel (their initialisation, use and
+// store): GCC 12 unrolls such loops only after it has placed the arrays in memory, and then
+// stored the bfloat16 weighted-value panel's 16 accumulators (attention_kernel.hpp) to the
+// stack on every key. Unrolled from the start, the arrays become registers. Other compilers
+// need no hint. For moh's kernels only (not undefined here: attention_kernel.hpp uses it too).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8
+#define MOH_DETAIL_UNROLL_REGISTERS _Pragma("GCC unroll 16")
+#else
+#define MOH_DETAIL_UNROLL_REGISTERS
+#endif
+
 namespace moh {
 namespace detail {
 
@@ -566,8 +577,8 @@ constexpr Index kFewRows = 4;
 constexpr Index kDotRows = 8;
 
 /// Rows of W up to this length are short (one head's slice of W_o): rows_product() gives each
-/// of them one chain, 8 rows at a time read one after the other (the core overlaps their
-/// chains); longer rows (a projection's, a router's) get row_chains() chains each.
+/// of them one chain, reading kShortStreams parts of the rows side by side; longer rows (a
+/// projection's, a router's) get row_chains() chains each.
 constexpr Index kShortRow = 256;
 
 /// Partial sums per long row of W in rows_product() (but see row_chains()), and the rows of W
@@ -873,47 +884,87 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
   tiles(std::integral_constant<int, 1>{});
 }
 
-/// C[r, j0 + jj] (+)= A[r, :] . W[j0 + jj, :] for r < RA <= 2 and jj < g, W's rows short
-/// (K <= kShortRow): one chain per row, the g rows one after the other, in memory order, so that
-/// the hardware prefetcher sees one stream rather than g runs of a few lines; the rows of A share
-/// each load of W. Each row's chain is reduced and stored before the next row starts, so that its
-/// accumulators are locals of the loop body: kept in an array indexed by jj across two loops, GCC
-/// put them on the stack, so that every multiply-add of a row waited for the store of the one
-/// before (MoH-LLaMA3's per-head W_o slices, 128 long, read at 32 GB/s there against 41 for the
-/// long rows of W_q, Zen 5).
-template <class T, int RA, class Src>
-void rows_product_group(const T* A, Index lda, const Src* W, Index ldw, Index j0, Index g,
-                        Index K, T* C, Index ldc, bool accumulate) {
-  static_assert(RA == 1 || RA == 2, "rows_product_group takes one or two rows of A");
+/// Rows of W that rows_product() reads side by side when they are short (K <= kShortRow), at
+/// most: the rows split into that many parts, row i of every part in step, each part one stream
+/// in memory order. Standalone on Zen 3 (session 21: one row of A against 96 heads' W_o slices
+/// of 4096 x 128, from memory, medians of 11, two runs), one row after another read bfloat16 at
+/// 16.7-17.4 GB/s and float at 22, 2 parts 24.4 and 30, 4 parts 29.7 and 29, 8 parts 28-29 and
+/// 29; 4 or 8 neighbouring rows in step (one stream) 14-18 and 13-15. Fewer where
+/// KernelTuning::weight_streams says so (Zen 5 reads one long row at a time best).
+constexpr int kShortStreams = 4;
+
+/// C[r, j + s part] (+)= A[r, :] . W[j + s part, :] for r < RA <= 2 and s < S, W's rows short
+/// (K <= kShortRow): one chain per row over its packets in order, reduced, then its last K % L
+/// products added one by one; the S rows (one per part) read side by side, sharing each load of
+/// A, the RA rows of A sharing each load of W. A row's bits depend on neither S nor RA.
+template <class T, int S, int RA, class Src>
+EIGEN_ALWAYS_INLINE void short_rows_step(const T* A, Index lda, const Src* W, Index ldw, Index j,
+                                         Index part, Index K, T* C, Index ldc, bool accumulate) {
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   const Index whole = K / L * L;
-  const T* a1 = A + (RA - 1) * lda;  // the second row of A (the first when RA = 1)
-  for (Index jj = 0; jj < g; ++jj) {
-    const Src* w = W + (j0 + jj) * ldw;
-    P acc0 = Eigen::internal::pset1<P>(T(0));
-    P acc1 = acc0;
-    for (Index k = 0; k < whole; k += L) {
-      const P wv = load_packet<T>(w + k);
-      acc0 = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(A + k), wv, acc0);
-      if constexpr (RA == 2)
-        acc1 = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(a1 + k), wv, acc1);
+  P acc[S][RA];
+  MOH_DETAIL_UNROLL_REGISTERS
+  for (int s = 0; s < S; ++s)
+    MOH_DETAIL_UNROLL_REGISTERS
+    for (int r = 0; r < RA; ++r) acc[s][r] = Eigen::internal::pset1<P>(T(0));
+  for (Index k = 0; k < whole; k += L) {
+    P av[RA];
+    MOH_DETAIL_UNROLL_REGISTERS
+    for (int r = 0; r < RA; ++r) av[r] = Eigen::internal::ploadu<P>(A + r * lda + k);
+    MOH_DETAIL_UNROLL_REGISTERS
+    for (int s = 0; s < S; ++s) {
+      const P wv = load_packet<T>(W + (j + s * part) * ldw + k);
+      MOH_DETAIL_UNROLL_REGISTERS
+      for (int r = 0; r < RA; ++r) acc[s][r] = Eigen::internal::pmadd(av[r], wv, acc[s][r]);
     }
-    const auto finish = [&](const T* a, const P& acc, T& c) {
-      T sum = Eigen::internal::predux(acc);
-      for (Index k = whole; k < K; ++k) sum += a[k] * load_scalar<T>(w + k);
-      c = accumulate ? c + sum : sum;
-    };
-    finish(A, acc0, C[j0 + jj]);
-    if constexpr (RA == 2) finish(a1, acc1, C[ldc + j0 + jj]);
   }
+  MOH_DETAIL_UNROLL_REGISTERS
+  for (int s = 0; s < S; ++s)
+    MOH_DETAIL_UNROLL_REGISTERS
+    for (int r = 0; r < RA; ++r) {
+      const T* a = A + r * lda;
+      const Src* w = W + (j + s * part) * ldw;
+      T sum = Eigen::internal::predux(acc[s][r]);
+      for (Index k = whole; k < K; ++k) sum += a[k] * load_scalar<T>(w + k);
+      T& c = C[r * ldc + j + s * part];
+      c = accumulate ? c + sum : sum;
+    }
+}
+
+/// rows_product() over short rows of W: S parts of count / S rows read side by side (S =
+/// kShortStreams, or fewer by KernelTuning::weight_streams), the rows left over one at a time;
+/// the rows of A two at a time against each step's rows of W (which stay in L1 for them).
+template <class T, class Src>
+void rows_product_short_rows(const T* A, Index lda, Index n, const Src* W, Index ldw,
+                             Index count, Index K, T* C, Index ldc, bool accumulate) {
+  const auto steps = [&](auto parts, Index j0, Index j1, Index part) {
+    constexpr int S = decltype(parts)::value;
+    for (Index j = j0; j < j1; ++j)
+      for_row_pairs(n, [&](Index r, auto ra) {
+        short_rows_step<T, S, decltype(ra)::value>(A + r * lda, lda, W, ldw, j, part, K,
+                                                   C + r * ldc, ldc, accumulate);
+      });
+  };
+  const int streams = weight_streams();
+  Index done = 0;
+  if (streams >= kShortStreams) {
+    const Index part = count / kShortStreams;
+    steps(std::integral_constant<int, kShortStreams>{}, 0, part, part);
+    done = kShortStreams * part;
+  } else if (streams >= 2) {
+    const Index part = count / 2;
+    steps(std::integral_constant<int, 2>{}, 0, part, part);
+    done = 2 * part;
+  }
+  steps(std::integral_constant<int, 1>{}, done, count, 0);
 }
 
 /// C[n, count] (+)= A[n, K] W[count, K]^T (a decode step's rows, a tile of a decode call's; any n
 /// for a router's few outputs, project_dots()), straight from W's storage (T or bfloat16) without
-/// packing: each weight is read once from memory (a long row, a tile of long rows, or a group
-/// of 8 short rows stays in L1 or L2 while the rows of A pass over it, two at a time, sharing
-/// its loads). Each C element sums packet-wise partial sums, then reduces them (and adds the sum
+/// packing: each weight is read once from memory (a long row, a tile of long rows, or a step's
+/// short rows stays in L1 or L2 while the rows of A pass over it, two at a time, sharing its
+/// loads). Each C element sums packet-wise partial sums, then reduces them (and adds the sum
 /// to C when `accumulate`); a row of C does not depend on the other rows, nor on how many rows
 /// come with it, and an element does not depend on the rows of W beside it.
 /// With an `arena` (optional) and long bfloat16 rows (even_odd_widening()), A's rows are laid
@@ -938,14 +989,7 @@ void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index
     rows_product_long_rows<T>(A, lda, n, W, ldw, count, K, C, ldc, accumulate);
     return;
   }
-  constexpr Index kGroup = 8;
-  for (Index j0 = 0; j0 < count; j0 += kGroup) {
-    const Index g = std::min(kGroup, count - j0);
-    for_row_pairs(n, [&](Index r, auto ra) {
-      rows_product_group<T, decltype(ra)::value>(A + r * lda, lda, W, ldw, j0, g, K,
-                                                 C + r * ldc, ldc, accumulate);
-    });
-  }
+  rows_product_short_rows<T>(A, lda, n, W, ldw, count, K, C, ldc, accumulate);
 }
 
 /// C[M, N] (+)= A[M, K] B[K, N] for M <= kFewRows and N a multiple of the packet size, reading
