@@ -272,15 +272,30 @@ inline void scaled_sums_of_sixteen([[maybe_unused]] const GemmPacket<T>* a,
 #endif
 }
 
+/// Parts of a block's keys that the scores read side by side where AVX-512 is off: key i of
+/// each part in step, each part one stream in memory order. Standalone on Zen 3 (session 21:
+/// 64 blocks of 4096 keys of 128 from memory, medians of 11, two runs), 4 queries read a float
+/// cache at 13.7-15.2 GB/s one key at a time, 15.8-20.2 with 2 parts, 20.6-21.8 with 3 (12
+/// accumulators, 3 key packets and a query packet: AVX2's 16 registers); one query 20.6-20.7,
+/// 18-24 and 27-31; a bfloat16 cache, bound by its widening, 11.1-12.1 and 11.5-11.8. AVX-512
+/// keeps one part (unmeasured with more; neighbouring keys in step read slower on Zen 4).
+#if defined(EIGEN_VECTORIZE_AVX512)
+constexpr int kScoreParts = 1;
+#else
+constexpr int kScoreParts = 3;
+#endif
+
 /// S[r, c] = scale * q_r . k_c for NQ queries (rows at q_stride) and nk keys (rows at
 /// k_stride) of d = whole packets; S rows at ld. Each score is a packet-wise sum over d (one
-/// chain over the packets in order), then reduced. Up to two queries: four keys at a time, each
-/// key's row read in order (one query over a cache in T with AVX-512: sixteen keys, their rows
-/// read side by side). Three or more: one key at a time, its row read once for all the
-/// queries (whose packets come from L1). Two keys in step, which load each query packet once
-/// for both, read a float cache at 13-21 GB/s where one key reads it at 24-28 (Zen 4, 4 queries
-/// of 128 over 16 MB, session 14; a plain sum 26-27), and four rows in step at 7-9: rows side by
-/// side defeat the hardware prefetcher. The sums and their order are the same either way.
+/// chain over the packets in order), then reduced. Where AVX-512 is off, kScoreParts parts of
+/// the keys side by side, one key of each at a time, each key's row read once for all the
+/// queries (whose packets come from L1); the keys left over one by one. With AVX-512, up to two
+/// queries: four keys at a time, each key's row read in order (one query over a cache in T:
+/// sixteen keys, their rows read side by side); three or more: one key at a time. Two
+/// neighbouring keys in step, which load each query packet once for both, read a float cache at
+/// 13-21 GB/s where one key reads it at 24-28 (Zen 4, 4 queries of 128 over 16 MB, session 14;
+/// a plain sum 26-27), and four rows in step at 7-9: rows side by side defeat the hardware
+/// prefetcher there. The sums and their order are the same either way.
 /// DP: the head's packets when known at compile time (the loops over d unrolled: 2-4x faster
 /// for 2 or 4 queries of 128 floats, measured), 0 when not. The loops over the accumulators of
 /// 3 or more queries are unrolled by hint (MOH_DETAIL_UNROLL_REGISTERS): with AVX2's 16 packets
@@ -294,8 +309,9 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   using P = GemmPacket<T>;
   constexpr Index L = packet_size<T>();
   const Index d = DP > 0 ? DP * L : head_dim;
-  constexpr int KB = NQ >= 3 ? 1 : 4;
-  constexpr int kSums = NQ * KB;
+  constexpr int KS = kScoreParts;
+  constexpr int KB = NQ >= 3 || KS > 1 ? 1 : 4;
+  constexpr int kSums = NQ * KS * KB;
   const Index row_bytes = d * static_cast<Index>(sizeof(Src));
   const Index ahead = prefetch_rows(row_bytes);
   const bool prefetch = prefetch_few_query<T, NQ, Src>();
@@ -317,28 +333,33 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
       scaled_sums_of_sixteen<T>(acc, scale, S + c);
     }
   }
-  for (; c + KB <= nk; c += KB) {
+  // Keys c + s part + i + j (part s < KS, step i, key j < KB of the step) in whole steps; the
+  // keys left over one by one below.
+  const Index part = (nk - c) / (KS * KB) * KB;
+  for (Index i = 0; i < part; i += KB) {
+    const Src* kc = k + (c + i) * k_stride;  // part s's keys at kc + s * part * k_stride
     if (prefetch)
-      for (int j = 0; j < KB; ++j)
-        prefetch_bytes(k + std::min(c + ahead + j, nk - 1) * k_stride, row_bytes);
-    P acc[NQ][KB];
+      for (int s = 0; s < KS; ++s)
+        for (int j = 0; j < KB; ++j)
+          prefetch_bytes(k + std::min(c + s * part + i + j + ahead, nk - 1) * k_stride,
+                         row_bytes);
+    P acc[NQ][KS * KB];
     MOH_DETAIL_UNROLL_REGISTERS
     for (int r = 0; r < NQ; ++r) {
       MOH_DETAIL_UNROLL_REGISTERS
-      for (int j = 0; j < KB; ++j) acc[r][j] = Eigen::internal::pset1<P>(T(0));
+      for (int j = 0; j < KS * KB; ++j) acc[r][j] = Eigen::internal::pset1<P>(T(0));
     }
-    const Src* kc = k + c * k_stride;
-    if constexpr (NQ >= 3) {
+    if constexpr (KB == 1) {
       MOH_DETAIL_UNROLL_REGISTERS
       for (Index x = 0; x < d; x += L) {
-        P kv[KB];
+        P kv[KS];
         MOH_DETAIL_UNROLL_REGISTERS
-        for (int j = 0; j < KB; ++j) kv[j] = load_packet<T>(kc + j * k_stride + x);
+        for (int s = 0; s < KS; ++s) kv[s] = load_packet<T>(kc + s * part * k_stride + x);
         MOH_DETAIL_UNROLL_REGISTERS
         for (int r = 0; r < NQ; ++r) {
           const P qv = Eigen::internal::ploadu<P>(q + r * q_stride + x);
           MOH_DETAIL_UNROLL_REGISTERS
-          for (int j = 0; j < KB; ++j) acc[r][j] = Eigen::internal::pmadd(qv, kv[j], acc[r][j]);
+          for (int s = 0; s < KS; ++s) acc[r][s] = Eigen::internal::pmadd(qv, kv[s], acc[r][s]);
         }
       }
     } else {
@@ -350,13 +371,16 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
                                                kv, acc[r][j]);
         }
     }
-    T sums[kSums];  // in (r, j) order
-    int i = 0;
-    for (; i + 4 <= kSums; i += 4) sums_of_four<T>(&acc[0][0] + i, sums + i);
-    for (; i < kSums; ++i) sums[i] = Eigen::internal::predux((&acc[0][0])[i]);
+    T sums[kSums];  // in (r, s, j) order
+    int n = 0;
+    for (; n + 4 <= kSums; n += 4) sums_of_four<T>(&acc[0][0] + n, sums + n);
+    for (; n < kSums; ++n) sums[n] = Eigen::internal::predux((&acc[0][0])[n]);
     for (int r = 0; r < NQ; ++r)
-      for (int j = 0; j < KB; ++j) S[r * ld + c + j] = scale * sums[r * KB + j];
+      for (int s = 0; s < KS; ++s)
+        for (int j = 0; j < KB; ++j)
+          S[r * ld + c + s * part + i + j] = scale * sums[(r * KS + s) * KB + j];
   }
+  c += KS * part;
   for (; c < nk; ++c)
     for (int r = 0; r < NQ; ++r) {
       P acc = Eigen::internal::pset1<P>(T(0));
