@@ -320,12 +320,12 @@ void sweep_few_queries(std::initializer_list<Index> key_counts, Check check) {
       }
 }
 
-// A decode step's few queries per key/value head: their scores (one query: sixteen keys at a
-// time where AVX-512 reduces them together; two: four keys at a time; three or four: one key at
-// a time, the loops over the head unrolled) have the bits of one chain per (query, key) over the
-// packets in order and Eigen's predux (what the tail computes), for 1-4 queries, key counts
-// around multiples of 16 and key rows at a stride wider than the head. Nothing is written past
-// the last key.
+// A decode step's few queries per key/value head: their scores (without AVX-512: three parts of
+// the keys side by side, one key of each at a time; with it, one query: sixteen keys at a time;
+// two: four keys at a time; three or four: one key at a time) have the bits of one chain per
+// (query, key) over the packets in order and Eigen's predux (what the tail computes), for 1-4
+// queries, key counts around multiples of 16 and of the parts, and key rows at a stride wider
+// than the head. Nothing is written past the last key.
 TEST(AttentionKernel, FewQueryScoresHaveTheBitsOfOneChainPerKey) {
   using P = moh::detail::GemmPacket<float>;
   const Index L = moh::detail::packet_size<float>();

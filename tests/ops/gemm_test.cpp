@@ -527,6 +527,7 @@ float documented_chains(const float* a, const Src* w, Index K) {
   const int chains = K > moh::detail::kShortRow ? moh::detail::row_chains<float, Src>() : 1;
   std::vector<float> widened(static_cast<std::size_t>(K));
   for (Index i = 0; i < K; ++i) widened[i] = moh::detail::load_scalar<float>(w + i);
+  static_assert(moh::detail::kRowChains <= 4, "the chains below");
   P acc[4];
   for (P& c : acc) c = Eigen::internal::pset1<P>(0.f);
   for (Index p = 0; p < K / L; ++p)
@@ -545,9 +546,10 @@ TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
   constexpr Index L = sizeof(moh::detail::GemmPacket<float>) / sizeof(float);
   const moh::KernelTuning saved = moh::kernel_tuning();
   Arena arena;
-  const Index count = 14;  // tiles of 1-6 rows, parts of 2 or 4 rows, and the rows left over
-  // Short rows (a head of 128, the longest short row), then 33 and 130 packets of AVX2 (odd: 4
-  // chains leave a packet over).
+  // Tiles of 1-6 rows, 2 or 4 parts, and the rows left over after each (1 and 3).
+  const Index count = 15;
+  // Short rows (a head of 128, the longest short row), then 33 and 130 packets of AVX2 (33
+  // leaves a packet over for 2 or 4 chains, 130 two for 4).
   for (Index K : {Index(128), moh::detail::kShortRow, (moh::detail::kShortRow / L + 1) * L,
                   (1024 / L + 2) * L})
     for (Index n : {Index(1), Index(2), Index(3)}) {

@@ -298,7 +298,8 @@ constexpr int kScoreParts = 3;
 /// prefetcher there. The sums and their order are the same either way.
 /// DP: the head's packets when known at compile time (the loops over d unrolled: 2-4x faster
 /// for 2 or 4 queries of 128 floats, measured), 0 when not. The loops over the accumulators of
-/// 3 or more queries are unrolled by hint (MOH_DETAIL_UNROLL_REGISTERS): with AVX2's 16 packets
+/// a step of one key per part, or of 3 or more queries, are unrolled by hint
+/// (MOH_DETAIL_UNROLL_REGISTERS): with AVX2's 16 packets
 /// of a 128 head GCC 12 left the loop over d rolled in a standalone program and kept the 4
 /// accumulators on the stack, every multiply-add waiting for the store before it (Zen 3,
 /// session 20: 4 queries read a float cache at 7.8 GB/s from memory, 15 unrolled; bfloat16 4.0
@@ -394,8 +395,9 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
 template <class T, int NQ, class Src>
 void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, Index nk, Index d,
                       T scale, T* S, Index ld) {
-  // One query keeps the loop over d: unrolled, GCC interleaves the loads of the four key rows,
-  // which reads the cache ~8% slower (measured at d = 64).
+  // One query keeps the loop over d (DP = 0): with AVX-512's four neighbouring keys unrolled,
+  // GCC interleaved the loads of their rows, which read the cache ~8% slower (at d = 64);
+  // without AVX-512 its parts unroll it by hint.
   switch (NQ > 1 ? d / packet_size<T>() : 0) {  // the common head sizes (64, 128; 32, 256)
     case 2: few_query_scores_of<T, NQ, 2>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
     case 4: few_query_scores_of<T, NQ, 4>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;

@@ -39,10 +39,12 @@
 // stored the bfloat16 weighted-value panel's 16 accumulators (attention_kernel.hpp) to the
 // stack on every key. Unrolled from the start, the arrays become registers. Other compilers
 // need no hint. For moh's kernels only (not undefined here: attention_kernel.hpp uses it too).
+#ifndef MOH_DETAIL_UNROLL_REGISTERS
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8
 #define MOH_DETAIL_UNROLL_REGISTERS _Pragma("GCC unroll 16")
 #else
 #define MOH_DETAIL_UNROLL_REGISTERS
+#endif
 #endif
 
 namespace moh {
@@ -577,8 +579,9 @@ constexpr Index kFewRows = 4;
 constexpr Index kDotRows = 8;
 
 /// Rows of W up to this length are short (one head's slice of W_o): rows_product() gives each
-/// of them one chain, reading kShortStreams parts of the rows side by side; longer rows (a
-/// projection's, a router's) get row_chains() chains each.
+/// of them one chain, reading up to kShortStreams parts of the rows side by side (fewer by
+/// KernelTuning::weight_streams); longer rows (a projection's, a router's) get row_chains()
+/// chains each.
 constexpr Index kShortRow = 256;
 
 /// Partial sums per long row of W in rows_product() (but see row_chains()), and the rows of W
@@ -785,6 +788,16 @@ EIGEN_ALWAYS_INLINE void even_odd_chains(const float* Ap, Index lda, const std::
 }
 #endif
 
+/// out (+)= the reduced packet-wise sums `acc` of a . w plus the products of elements whole to
+/// K - 1 added one by one: the end of every dot product of rows_product().
+template <class T, class Src>
+EIGEN_ALWAYS_INLINE void finish_dot(const GemmPacket<T>& acc, const T* a, const Src* w,
+                                    Index whole, Index K, T& out, bool accumulate) {
+  T sum = Eigen::internal::predux(acc);
+  for (Index i = whole; i < K; ++i) sum += a[i] * load_scalar<T>(w + i);
+  out = accumulate ? out + sum : sum;
+}
+
 /// C[r, jj] (+)= A[r, :] . W[jj, :] for r < RA and jj < G, W's rows long (T or bfloat16,
 /// widened in registers): packet p of a row goes to chain p % row_chains<T, Src>(),
 /// the chains are added pairwise (0 + 2, 1 + 3; then 0 + 1; so on for more chains), reduced,
@@ -834,12 +847,7 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
       P* a = acc[g][r];
       for (int half = kChains / 2; half > 0; half /= 2)
         for (int c = 0; c < half; ++c) a[c] = Eigen::internal::padd(a[c], a[c + half]);
-      const T* ar = A + r * lda;
-      const Src* w = W + g * ldw;
-      T sum = Eigen::internal::predux(a[0]);
-      for (Index i = whole; i < K; ++i) sum += ar[i] * load_scalar<T>(w + i);
-      T& out = C[r * ldc + g];
-      out = accumulate ? out + sum : sum;
+      finish_dot<T>(a[0], A + r * lda, W + g * ldw, whole, K, C[r * ldc + g], accumulate);
     }
 }
 
@@ -922,14 +930,9 @@ EIGEN_ALWAYS_INLINE void short_rows_step(const T* A, Index lda, const Src* W, In
   MOH_DETAIL_UNROLL_REGISTERS
   for (int s = 0; s < S; ++s)
     MOH_DETAIL_UNROLL_REGISTERS
-    for (int r = 0; r < RA; ++r) {
-      const T* a = A + r * lda;
-      const Src* w = W + (j + s * part) * ldw;
-      T sum = Eigen::internal::predux(acc[s][r]);
-      for (Index k = whole; k < K; ++k) sum += a[k] * load_scalar<T>(w + k);
-      T& c = C[r * ldc + j + s * part];
-      c = accumulate ? c + sum : sum;
-    }
+    for (int r = 0; r < RA; ++r)
+      finish_dot<T>(acc[s][r], A + r * lda, W + (j + s * part) * ldw, whole, K,
+                    C[r * ldc + j + s * part], accumulate);
 }
 
 /// rows_product() over short rows of W: S parts of count / S rows read side by side (S =
@@ -938,26 +941,23 @@ EIGEN_ALWAYS_INLINE void short_rows_step(const T* A, Index lda, const Src* W, In
 template <class T, class Src>
 void rows_product_short_rows(const T* A, Index lda, Index n, const Src* W, Index ldw,
                              Index count, Index K, T* C, Index ldc, bool accumulate) {
-  const auto steps = [&](auto parts, Index j0, Index j1, Index part) {
+  Index done = 0;  // rows read in parts
+  // Rows [done, done + S part) as S parts of `part` rows side by side.
+  const auto in_parts = [&](auto parts, Index part) {
     constexpr int S = decltype(parts)::value;
-    for (Index j = j0; j < j1; ++j)
+    for (Index j = done; j < done + part; ++j)
       for_row_pairs(n, [&](Index r, auto ra) {
         short_rows_step<T, S, decltype(ra)::value>(A + r * lda, lda, W, ldw, j, part, K,
                                                    C + r * ldc, ldc, accumulate);
       });
+    done += S * part;
   };
   const int streams = weight_streams();
-  Index done = 0;
-  if (streams >= kShortStreams) {
-    const Index part = count / kShortStreams;
-    steps(std::integral_constant<int, kShortStreams>{}, 0, part, part);
-    done = kShortStreams * part;
-  } else if (streams >= 2) {
-    const Index part = count / 2;
-    steps(std::integral_constant<int, 2>{}, 0, part, part);
-    done = 2 * part;
-  }
-  steps(std::integral_constant<int, 1>{}, done, count, 0);
+  if (streams >= kShortStreams)
+    in_parts(std::integral_constant<int, kShortStreams>{}, count / kShortStreams);
+  else if (streams >= 2)
+    in_parts(std::integral_constant<int, 2>{}, count / 2);
+  if (done < count) in_parts(std::integral_constant<int, 1>{}, count - done);
 }
 
 /// C[n, count] (+)= A[n, K] W[count, K]^T (a decode step's rows, a tile of a decode call's; any n

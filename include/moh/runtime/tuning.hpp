@@ -24,7 +24,8 @@ namespace moh {
 struct KernelTuning {
   /// Most weight rows of a decode product's long rows (more than 256 elements) that one row of
   /// the input reads side by side, in [1, kMaxWeightStreams]; builds without AVX-512 use at
-  /// most 3 of float weights (6 of bfloat16 weights on AVX2).
+  /// most 3 of float weights (6 of bfloat16 weights on AVX2). Short rows (a head's slice of
+  /// W_o) are read in 4 parts side by side when this is 4 or more, 2 when 2-3, else one.
   int weight_streams = 6;
   /// Whether attention of 3 or more queries per key/value head over a float cache (a GQA group's
   /// decode step) prefetches the keys and values ahead of its reads. A bfloat16 cache always is.
@@ -43,8 +44,9 @@ struct KernelTuning {
   /// ecx (the vendor) and leaf 1's eax (family, model). AMD family 26 or later (Zen 5): one
   /// weight stream and float caches prefetched, as measured there (session 12); any other CPU
   /// the defaults above, measured on Zen 4 (sessions 11 and 13) and on Zen 3 (AVX2, so at most
-  /// 3 streams: one or two made the float LLaMA3-8B step 1.26x and 1.05x slower; prefetching
-  /// its float cache undecided, 0.91-1.10x over three runs; session 19); Intel unmeasured.
+  /// 3 streams of float weights, 6 of bfloat16: one or two made the float LLaMA3-8B step 1.26x
+  /// and 1.05x slower; prefetching its float cache undecided, 0.91-1.10x over three runs;
+  /// session 19; short rows in 4 parts, session 21); Intel unmeasured.
   static KernelTuning for_cpuid(unsigned ebx0, unsigned edx0, unsigned ecx0, unsigned eax1) {
     KernelTuning t;
     // "AuthenticAMD" in ebx, edx, ecx.
