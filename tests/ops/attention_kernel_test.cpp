@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -405,6 +406,45 @@ TEST(AttentionKernel, FewQueryValuesHaveTheBitsOfOneChainPerElement) {
         << "bfloat16";
   };
   sweep_few_queries({0, 1, 17, 63, 64, 65, 128, 129, 300}, check);
+}
+
+// The weighted values ask for the next run of values while they read the current one: every
+// line of its rows once, in order, none outside them (rows at a stride wider than the row, rows
+// of part of a line), spread over the steps they are given; none when there are no rows.
+TEST(AttentionKernel, NextRunLinesAskForEachLineOfTheRunOnce) {
+  const auto check = [](Index rows, Index stride, Index row_bytes, Index steps) {
+    SCOPED_TRACE(testing::Message() << "rows " << rows << " stride " << stride << " row_bytes "
+                                    << row_bytes << " steps " << steps);
+    std::vector<char> buffer(static_cast<std::size_t>(rows * stride + 1));
+    const char* first = buffer.data();
+    auto next = moh::detail::NextRunLines::over(first, rows, stride, row_bytes, steps);
+    std::vector<const char*> want;
+    for (Index r = 0; r < rows; ++r)
+      for (Index o = 0; o < row_bytes; o += 64) want.push_back(first + r * stride + o);
+    std::vector<const char*> got;
+    std::vector<Index> at;  // the step of each line
+    for (Index i = 0; i < steps; ++i)
+      if (const char* line = next.step()) {
+        got.push_back(line);
+        at.push_back(i);
+      }
+    const std::size_t lines = want.size();
+    if (static_cast<std::size_t>(steps) >= lines) {
+      EXPECT_EQ(got, want);
+      for (Index i = 0; i < 3 * steps + 10; ++i) EXPECT_EQ(next.step(), nullptr) << "past the run";
+    } else {  // fewer steps than lines: the first `steps` lines, one per step
+      ASSERT_EQ(got.size(), static_cast<std::size_t>(steps));
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin()));
+    }
+    // Evenly spread: the same number of steps before each line.
+    for (std::size_t i = 1; i < at.size(); ++i) EXPECT_EQ(at[i] - at[i - 1], at[0] + 1);
+  };
+  check(64, 512, 512, 512);    // float rows of 128, as many steps as lines
+  check(128, 256, 256, 1024);  // bfloat16 rows of 128, two steps per line
+  check(16, 1024, 256, 200);   // rows at a stride of 4 rows, 3 steps per line
+  check(16, 96, 96, 20);       // rows of a line and a half, fewer steps than lines
+  check(0, 256, 256, 64);
+  check(5, 64, 32, 1000);
 }
 
 TEST(AttentionKernel, GatheredQueryPositions) {

@@ -407,8 +407,54 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
   }
 }
 
+/// The lines of the run of keys that the weighted values read next, asked for one at a time,
+/// `every` steps of one key apart, while the passes of the current run find it in the caches:
+/// otherwise memory is busy only while the first passes read their columns of a run (on Zen 3
+/// 4 queries' passes over a bfloat16 cache read 8 GB/s from memory and 14-19 from L3). Rows of
+/// row_bytes at `stride` bytes, from `row` up to `end`. A hint: it changes no result.
+struct NextRunLines {
+  const char* row = nullptr;
+  const char* end = nullptr;
+  Index stride = 0;
+  Index row_bytes = 0;
+  Index offset = 0;  // of the next line in `row`
+  Index every = 1;
+  Index countdown = 1;
+
+  /// The lines of `rows` rows of `row_bytes` from `first`, at `stride` bytes, spread over
+  /// `steps` steps: one every steps / lines (at least 1), so that all are asked for within the
+  /// steps when there are as many steps as lines or more.
+  static NextRunLines over(const void* first, Index rows, Index stride, Index row_bytes,
+                           Index steps) {
+    NextRunLines n;
+    n.row = static_cast<const char*>(first);
+    n.end = n.row + rows * stride;
+    n.stride = stride;
+    n.row_bytes = row_bytes;
+    const Index lines = rows * ((row_bytes + 63) / 64);
+    n.every = n.countdown = std::max<Index>(1, steps / std::max<Index>(1, lines));
+    return n;
+  }
+
+  /// One step of one key: every `every` steps, asks for the next line (none past the last row)
+  /// and returns it; else null.
+  EIGEN_ALWAYS_INLINE const char* step() {
+    if (--countdown > 0 || row >= end) return nullptr;
+    countdown = every;
+    const char* line = row + offset;
+    prefetch_bytes(line, 1);
+    offset += 64;
+    if (offset >= row_bytes) {
+      offset = 0;
+      row += stride;
+    }
+    return line;
+  }
+};
+
 /// A[r, x0 : x0 + NP L] += sum_c W[r, c] v_c[x0 : ...] for NQ rows: the accumulators stay in
 /// registers over all nk keys (each element one chain over c in order).
+/// `next` (optional) takes one step per key (a copy in registers while the keys go by).
 /// With kPrefetch, also asks for the panel's columns of row c + ahead (at most row pf_last)
 /// while reading row c, for rows of row_bytes. A compile-time choice, and a fixed number of
 /// lines: with a loop over a row's lines in the loop over keys (even one run 0 times) GCC kept
@@ -416,11 +462,12 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
 template <class T, int NQ, int NP, class Src, bool kPrefetch = false>
 void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride, Index nk,
                             Index x0, T* A, Index lda, [[maybe_unused]] Index row_bytes = 0,
-                            [[maybe_unused]] Index pf_last = 0) {
+                            [[maybe_unused]] Index pf_last = 0, NextRunLines* next = nullptr) {
   using P = GemmPacket<T>;
   constexpr Index L = packet_size<T>();
   constexpr Index kLines = (NP * L * Index(sizeof(Src)) + 63) / 64;  // of the panel's columns
   [[maybe_unused]] const Index ahead = kPrefetch ? prefetch_rows(row_bytes) : 0;
+  NextRunLines lines = next != nullptr ? *next : NextRunLines{};
 #if defined(EIGEN_VECTORIZE_AVX2)
   // A bfloat16 cache, pairs of packets: each full-width load (64 bytes with AVX-512, 32 with
   // AVX2) widened into its even and its odd columns (widen_even_odd(): a shift and a mask,
@@ -442,6 +489,7 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
       if constexpr (kPrefetch)
         prefetch_lines(v + std::min(c + ahead, pf_last) * v_stride + x0,
                        std::make_integer_sequence<Index, kLines>{});
+      lines.step();
       P ve[kPairs], vo[kPairs];
       MOH_DETAIL_UNROLL_REGISTERS
       for (int q = 0; q < kPairs; ++q)
@@ -466,6 +514,7 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
         Eigen::internal::pstoreu(A + r * lda + x0 + (2 * q + 1) * L, a1);
       }
     }
+    if (next != nullptr) *next = lines;
     return;
   }
 #endif
@@ -479,6 +528,7 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
     if constexpr (kPrefetch)
       prefetch_lines(v + std::min(c + ahead, pf_last) * v_stride + x0,
                      std::make_integer_sequence<Index, kLines>{});
+    lines.step();
     P vv[NP];
     MOH_DETAIL_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) vv[j] = load_packet<T>(v + c * v_stride + x0 + j * L);
@@ -494,22 +544,23 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
     MOH_DETAIL_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) Eigen::internal::pstoreu(A + r * lda + x0 + j * L, acc[r][j]);
   }
+  if (next != nullptr) *next = lines;
 }
 
 /// few_query_values_panel over the last `packets` (<= NP) packets of columns from x0.
 template <class T, int NQ, int NP, class Src, bool kPrefetch = false>
 void few_query_values_rest(Index packets, const T* W, Index ldw, const Src* v, Index v_stride,
                            Index nk, Index x0, T* A, Index lda, Index row_bytes = 0,
-                           Index pf_last = 0) {
+                           Index pf_last = 0, NextRunLines* next = nullptr) {
   if constexpr (NP > 1) {
     if (packets < NP) {
       few_query_values_rest<T, NQ, NP - 1, Src, kPrefetch>(packets, W, ldw, v, v_stride, nk, x0,
-                                                           A, lda, row_bytes, pf_last);
+                                                           A, lda, row_bytes, pf_last, next);
       return;
     }
   }
   few_query_values_panel<T, NQ, NP, Src, kPrefetch>(W, ldw, v, v_stride, nk, x0, A, lda,
-                                                    row_bytes, pf_last);
+                                                    row_bytes, pf_last, next);
 }
 
 // Accumulators the weighted-value panels keep in registers: half of AVX-512's 32 vector
@@ -525,7 +576,8 @@ constexpr int kValueAccumulators = 8;
 
 // Keys per run of the weighted values' passes (few_query_values()), and the most bytes of
 // values a run holds where that is less. With AVX2's 8 accumulators 4 queries of 128 make 8
-// passes over each run, each reading half of its rows: runs of 128 float rows (64 KiB) sent the
+// passes over each run (then one by one, each reading half of its rows; now in pairs, a
+// quarter): runs of 128 float rows (64 KiB) sent the
 // later passes to L2, runs of 64 (32 KiB, Zen 3's L1) kept them in L1. Standalone (4 queries of
 // 128 over 64 blocks of 4096 keys from memory, medians of 15, 3 alternating runs, Zen 3, session
 // 20): 13.4-13.8 GB/s against 11.2-11.6 at 128; 32 keys 12.4-12.6; a bfloat16 cache (128 keys of
@@ -538,10 +590,32 @@ constexpr Index kValueRunBytes = std::numeric_limits<Index>::max();
 constexpr Index kValueRunBytes = 32 * 1024;
 #endif
 
+/// Whether the passes of the weighted values over a run ask for the next run (NextRunLines):
+/// measured on Zen 3 only (see value_group_packets()); AVX-512's 2 passes of a run would ask
+/// for a quarter of the next one, unmeasured.
+#ifdef EIGEN_VECTORIZE_AVX512
+constexpr bool kValueNextRun = false;
+#else
+constexpr bool kValueNextRun = true;
+#endif
+
 /// Keys per run of the weighted values for rows of `row_bytes`.
 inline Index value_run(Index row_bytes) {
   return std::max<Index>(16, std::min(kValueRun, kValueRunBytes / std::max<Index>(1, row_bytes)));
 }
+
+/// Packets of columns per query that decide the groups of few_query_values(): all the queries
+/// in one group if they fit kValueAccumulators at this many each (or the head's fewer), else
+/// pairs, else one by one. Half the accumulators: with AVX2's 8, 4 queries go in pairs over 4
+/// packets rather than one by one over 8, which widens or loads each value packet once for two
+/// queries (the same 8 passes over a run). Standalone on Zen 3 (4 queries of 128 over 128 MB of
+/// bfloat16 values or 128 MB of float, from memory; medians of 15, 3 alternating runs, session
+/// 22): one by one read bfloat16 at 8.1-8.4 GB/s and float at 14.2-14.9; one by one with the
+/// next run asked for (NextRunLines) 12.5-13.5 and 13.3-14.4; pairs with the next run
+/// 15.4-15.8 and 15.7-17.1. From L3 (one block of 4096 keys again and again) pairs read
+/// bfloat16 faster (15-18 against 13-14.5) and float slower (21-24 against 26-28).
+/// AVX-512 keeps its groups (2 queries over 8 packets).
+constexpr int value_group_packets() { return std::min(8, kValueAccumulators / 2); }
 
 /// Packets of columns a weighted-value panel of `queries` queries spans.
 constexpr int value_panel_packets(int queries) {
@@ -551,39 +625,49 @@ constexpr int value_panel_packets(int queries) {
 /// A[QP, d] += W[QP, nk] V[nk, d] for one group of QP queries, in column panels of
 /// value_panel_packets(QP) packets (the packets left, fewer, in one more panel). With kPrefetch
 /// every panel asks for its own columns of the rows ahead (rows of row_bytes, at most row
-/// pf_last).
+/// pf_last). `next` (optional): see few_query_values_panel().
 template <class T, int QP, class Src, bool kPrefetch>
 void few_query_values_group(const T* W, Index ldw, const Src* v, Index v_stride, Index nk,
-                            Index d, T* A, Index lda, Index row_bytes, Index pf_last) {
+                            Index d, T* A, Index lda, Index row_bytes, Index pf_last,
+                            NextRunLines* next) {
   constexpr Index L = packet_size<T>();
   constexpr int NP = value_panel_packets(QP);
   constexpr int kRest = NP > 1 ? NP - 1 : 1;
   Index x0 = 0;
   for (; x0 + NP * L <= d; x0 += NP * L)
     few_query_values_panel<T, QP, NP, Src, kPrefetch>(W, ldw, v, v_stride, nk, x0, A, lda,
-                                                      row_bytes, pf_last);
+                                                      row_bytes, pf_last, next);
   // A head of 4 packets with one query is one panel of 4 chains, not 4 passes with one each.
   if (x0 < d)
     few_query_values_rest<T, QP, kRest, Src, kPrefetch>((d - x0) / L, W, ldw, v, v_stride, nk, x0,
-                                                        A, lda, row_bytes, pf_last);
+                                                        A, lda, row_bytes, pf_last, next);
 }
 
 /// A[NQ, d] += W[NQ, nk] V[nk, d] (V rows at v_stride, d whole packets). The queries go in
-/// groups (all NQ, else pairs, else one by one) whose accumulators over min(8, d / L) packets
-/// fit kValueAccumulators, each group in column panels.
+/// groups (all NQ, else pairs, else one by one) whose accumulators over value_group_packets()
+/// packets fit kValueAccumulators, each group in column panels.
 template <class T, int NQ, class Src>
 void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index nk, Index d, T* A,
                       Index lda) {
   constexpr Index L = packet_size<T>();
-  const Index wide = std::min<Index>(8, d / L);
+  const Index wide = std::min<Index>(value_group_packets(), d / L);
   const int group = NQ * wide <= kValueAccumulators ? NQ
                     : 2 * wide <= kValueAccumulators ? std::min(2, NQ)
                                                      : 1;
+  // Column panels a group of qp queries makes, and the passes of all the groups over a run.
+  const auto panels = [&](int qp) {
+    const Index cols = value_panel_packets(qp) * L;
+    return (d + cols - 1) / cols;
+  };
+  const Index pairs = group == 2 && NQ > 2 ? NQ / 2 : 0;
+  const Index passes =
+      group == NQ ? panels(NQ) : pairs * panels(2) + (NQ - 2 * pairs) * panels(1);
   // More than one pass (groups or panels) goes over the values in runs of value_run() keys,
   // every pass per run, so that the later passes find the run in L1/L2 (each element's chain
   // over the keys stays in order: its accumulator is stored and reloaded between runs, exactly).
+  // Meanwhile the passes ask for the next run's lines, spread evenly over their steps.
   const Index row_bytes = d * static_cast<Index>(sizeof(Src));
-  const bool one_pass = group == NQ && d <= value_panel_packets(NQ) * L;
+  const bool one_pass = passes == 1;
   const Index run = one_pass ? nk : value_run(row_bytes);
   // For 3 or more queries (as the scores), the first group's panels ask for their columns of
   // the rows ahead, up to the block's last (the later groups find them in the caches).
@@ -591,15 +675,20 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
   for (Index c0 = 0; c0 < nk; c0 += run) {
     const Index n = std::min(run, nk - c0);
     const Src* vr = v + c0 * v_stride;
+    const Index next_rows = std::min(run, nk - c0 - n);
+    NextRunLines next = NextRunLines::over(vr + n * v_stride, next_rows,
+                                           v_stride * static_cast<Index>(sizeof(Src)),
+                                           row_bytes, passes * n);
+    NextRunLines* ask = kValueNextRun && !one_pass && next_rows > 0 ? &next : nullptr;
     const auto pass = [&](auto queries, Index r0) {
       constexpr int QP = decltype(queries)::value;
       const T* w = W + r0 * ldw + c0;
       if (prefetch && r0 == 0)
         few_query_values_group<T, QP, Src, true>(w, ldw, vr, v_stride, n, d, A + r0 * lda, lda,
-                                                 row_bytes, nk - c0 - 1);
+                                                 row_bytes, nk - c0 - 1, ask);
       else
         few_query_values_group<T, QP, Src, false>(w, ldw, vr, v_stride, n, d, A + r0 * lda, lda,
-                                                  row_bytes, nk - c0 - 1);
+                                                  row_bytes, nk - c0 - 1, ask);
     };
     if (group == NQ) {
       pass(std::integral_constant<int, NQ>{}, 0);
