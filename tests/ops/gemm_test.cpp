@@ -541,7 +541,8 @@ float documented_chains(const float* a, const Src* w, Index K) {
 
 // Every route gives each element exactly those bits, from float and from bfloat16 weights: one
 // row of A with each weight_streams setting (long rows side by side, short rows in parts read
-// side by side), tiles of W against pairs of rows of A, the even/odd loop with an arena.
+// side by side), tiles of W against pairs of rows of A, tiles computed chain by chain (4 or more
+// rows of A in float; an odd row of A and rows of W left over), the even/odd loop with an arena.
 TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
   constexpr Index L = sizeof(moh::detail::GemmPacket<float>) / sizeof(float);
   const moh::KernelTuning saved = moh::kernel_tuning();
@@ -552,7 +553,7 @@ TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
   // leaves a packet over for 2 or 4 chains, 130 two for 4).
   for (Index K : {Index(128), moh::detail::kShortRow, (moh::detail::kShortRow / L + 1) * L,
                   (1024 / L + 2) * L})
-    for (Index n : {Index(1), Index(2), Index(3)}) {
+    for (Index n : {1, 2, 3, 4, 5, 8, 9}) {
       const Matrix<float> A = moh_test::random_matrix<float>(n, K, 50);
       const Matrix<float> W = moh_test::random_matrix<float>(count, K, 51);
       const BFloat16Copy w(W);

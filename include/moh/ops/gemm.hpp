@@ -851,11 +851,89 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
     }
 }
 
+/// Rows of W and of A in a tile of rows_product_chain_by_chain(), and the fewest rows of A that
+/// take that route (where chain_by_chain(): AVX-512 off, rows of A and W in T). Its G x RA
+/// accumulators hold one chain at a time, so more rows share each load than 4 chains allow in
+/// AVX2's 16 registers (1 row of W x 2 of A). Standalone on Zen 3 (8 rows of A against 8 x 1024
+/// x 1024 floats from memory, the D = 1024 batch-8 projections; medians of 15, session 22):
+/// 6.6-7.1 ms before, 4.8-5.1 with 4 x 2 tiles, 5.0-5.5 with 3 x 3, 4 x 1 or 5 x 2, 6.8 with 2 x
+/// 2; 2 rows of A 2.76 ms before, 2.81 with 4 x 2 and 2.91 with 3 x 3, hence only from 4 rows.
+constexpr int kChainTileW = 4;
+constexpr int kChainTileA = 2;
+constexpr Index kChainByChainRows = 4;
+template <class T, class Src>
+constexpr bool chain_by_chain() {
+#if defined(EIGEN_VECTORIZE_AVX512)
+  return false;
+#else
+  return std::is_same<T, Src>::value && row_chains<T, Src>() == kRowChains;
+#endif
+}
+
+/// C[r, jj] = A[r, :] . W[jj, :] (or += when accumulate) for r < RA and jj < G, W's rows long
+/// and in T: the same chains as rows_product_long() (packet p to chain p % kRowChains, added
+/// pairwise, reduced, the last K % L products one by one), but computed one chain at a time,
+/// over packets c, c + kRowChains, ... for G x RA elements at once: the chain of each element is
+/// the same sequence of multiply-adds, so are its bits.
+template <class T, int G, int RA>
+EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, const T* W,
+                                                     Index ldw, Index K, T* C, Index ldc,
+                                                     bool accumulate) {
+  using P = GemmPacket<T>;
+  constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
+  constexpr int kChains = kRowChains;
+  const Index whole = K / L * L;
+  P chains[G][RA][kChains];
+  MOH_DETAIL_UNROLL_REGISTERS
+  for (int c = 0; c < kChains; ++c) {
+    P acc[G][RA];
+    MOH_DETAIL_UNROLL_REGISTERS
+    for (int g = 0; g < G; ++g)
+      MOH_DETAIL_UNROLL_REGISTERS
+      for (int r = 0; r < RA; ++r) acc[g][r] = Eigen::internal::pset1<P>(T(0));
+    for (Index k = c * L; k < whole; k += kChains * L) {
+      P wv[G];
+      MOH_DETAIL_UNROLL_REGISTERS
+      for (int g = 0; g < G; ++g) wv[g] = Eigen::internal::ploadu<P>(W + g * ldw + k);
+      MOH_DETAIL_UNROLL_REGISTERS
+      for (int r = 0; r < RA; ++r) {
+        const P av = Eigen::internal::ploadu<P>(A + r * lda + k);
+        MOH_DETAIL_UNROLL_REGISTERS
+        for (int g = 0; g < G; ++g) acc[g][r] = Eigen::internal::pmadd(av, wv[g], acc[g][r]);
+      }
+    }
+    MOH_DETAIL_UNROLL_REGISTERS
+    for (int g = 0; g < G; ++g)
+      MOH_DETAIL_UNROLL_REGISTERS
+      for (int r = 0; r < RA; ++r) chains[g][r][c] = acc[g][r];
+  }
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < RA; ++r) {
+      P* a = chains[g][r];
+      for (int half = kChains / 2; half > 0; half /= 2)
+        for (int c = 0; c < half; ++c) a[c] = Eigen::internal::padd(a[c], a[c + half]);
+      finish_dot<T>(a[0], A + r * lda, W + g * ldw, whole, K, C[r * ldc + g], accumulate);
+    }
+}
+
+/// rows_product_chain_by_chain() of G rows of W (from row j) against rows [r, n) of A: RA at a
+/// time, then the rows left over, fewer.
+template <class T, int G, int RA>
+void chain_by_chain_rows(const T* A, Index lda, Index r, Index n, const T* W, Index ldw, Index K,
+                         T* C, Index ldc, bool accumulate) {
+  for (; r + RA <= n; r += RA)
+    rows_product_chain_by_chain<T, G, RA>(A + r * lda, lda, W, ldw, K, C + r * ldc, ldc,
+                                          accumulate);
+  if constexpr (RA > 1)
+    if (r < n) chain_by_chain_rows<T, G, RA - 1>(A, lda, r, n, W, ldw, K, C, ldc, accumulate);
+}
+
 /// rows_product() over long rows of W: one row of A reads W `streams` rows at a time, side by
 /// side (G = streams, at most max_streams(); the rest one by one); more rows of A take W
 /// long_row_tile() rows at a time against pairs of A rows, so that the rows of A, re-read from
-/// L1/L2 for every tile of W, are read that many times less often. No element's bits depend on
-/// either.
+/// L1/L2 for every tile of W, are read that many times less often; kChainByChainRows rows of A
+/// or more take W kChainTileW rows at a time chain by chain where chain_by_chain(). No
+/// element's bits depend on any of these.
 /// kEvenOdd: see rows_product_long() (Ap, ldap as there).
 template <class T, class Src, bool kEvenOdd = false>
 void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count,
@@ -875,6 +953,11 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
   constexpr int kMost = max_streams<T, Src>();
   static_assert(kMost <= KernelTuning::kMaxWeightStreams, "tiles for every streams setting");
   if (n > 1) {
+    if constexpr (chain_by_chain<T, Src>()) {
+      for (; n >= kChainByChainRows && j + kChainTileW <= count; j += kChainTileW)
+        chain_by_chain_rows<T, kChainTileW, kChainTileA>(A, lda, 0, n, W + j * ldw, ldw, K,
+                                                         C + j, ldc, accumulate);
+    }
     tiles(std::integral_constant<int, long_row_tile<T, Src>()>{});
   } else {
     const int streams = std::min(weight_streams(), kMost);
