@@ -409,13 +409,14 @@ TEST(AttentionKernel, FewQueryValuesHaveTheBitsOfOneChainPerElement) {
 }
 
 // The weighted values ask for the next run of values while they read the current one: every
-// line of its rows once, in order, none outside them (rows at a stride wider than the row, rows
-// of part of a line), spread over the steps they are given; none when there are no rows.
+// line of its rows once (from each row's first byte, 64 bytes apart), in order, none outside
+// them (rows at a stride wider than the row, rows of part of a line), spread evenly over the
+// steps they are given; none when there are no rows, none after the last row.
 TEST(AttentionKernel, NextRunLinesAskForEachLineOfTheRunOnce) {
   const auto check = [](Index rows, Index stride, Index row_bytes, Index steps) {
     SCOPED_TRACE(testing::Message() << "rows " << rows << " stride " << stride << " row_bytes "
                                     << row_bytes << " steps " << steps);
-    std::vector<char> buffer(static_cast<std::size_t>(rows * stride + 1));
+    std::vector<char> buffer(static_cast<std::size_t>(std::max<Index>(1, rows * stride)));
     const char* first = buffer.data();
     auto next = moh::detail::NextRunLines::over(first, rows, stride, row_bytes, steps);
     std::vector<const char*> want;
@@ -428,14 +429,16 @@ TEST(AttentionKernel, NextRunLinesAskForEachLineOfTheRunOnce) {
         got.push_back(line);
         at.push_back(i);
       }
-    const std::size_t lines = want.size();
-    if (static_cast<std::size_t>(steps) >= lines) {
+    if (static_cast<std::size_t>(steps) >= want.size()) {
       EXPECT_EQ(got, want);
-      for (Index i = 0; i < 3 * steps + 10; ++i) EXPECT_EQ(next.step(), nullptr) << "past the run";
     } else {  // fewer steps than lines: the first `steps` lines, one per step
       ASSERT_EQ(got.size(), static_cast<std::size_t>(steps));
       EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin()));
     }
+    for (Index i = 0; i < 3 * steps + 10 && got.size() < want.size(); ++i)
+      if (const char* line = next.step()) got.push_back(line);
+    EXPECT_EQ(got, want) << "every line once, in order, when given steps enough";
+    for (Index i = 0; i < 3 * steps + 10; ++i) EXPECT_EQ(next.step(), nullptr) << "past the run";
     // Evenly spread: the same number of steps before each line.
     for (std::size_t i = 1; i < at.size(); ++i) EXPECT_EQ(at[i] - at[i - 1], at[0] + 1);
   };

@@ -542,7 +542,8 @@ float documented_chains(const float* a, const Src* w, Index K) {
 // Every route gives each element exactly those bits, from float and from bfloat16 weights: one
 // row of A with each weight_streams setting (long rows side by side, short rows in parts read
 // side by side), tiles of W against pairs of rows of A, tiles computed chain by chain (4 or more
-// rows of A in float; an odd row of A and rows of W left over), the even/odd loop with an arena.
+// rows of A in float; an odd row of A and rows of W left over), the even/odd loop with an arena;
+// accumulating or not. (K with products left over: ARowDoesNotDependOnTheOtherRows.)
 TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
   constexpr Index L = sizeof(moh::detail::GemmPacket<float>) / sizeof(float);
   const moh::KernelTuning saved = moh::kernel_tuning();
@@ -557,6 +558,7 @@ TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
       const Matrix<float> A = moh_test::random_matrix<float>(n, K, 50);
       const Matrix<float> W = moh_test::random_matrix<float>(count, K, 51);
       const BFloat16Copy w(W);
+      const Matrix<float> C0 = moh_test::random_matrix<float>(n, count, 52);
       Matrix<float> want(n, count), want_b(n, count);
       for (Index r = 0; r < n; ++r)
         for (Index j = 0; j < count; ++j) {
@@ -578,6 +580,14 @@ TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
         EXPECT_TRUE(BitEqual(C, want)) << "float";
         EXPECT_TRUE(BitEqual(Cb, want_b)) << "bfloat16";
         EXPECT_TRUE(BitEqual(Ce, want_b)) << "bfloat16 through the arena";
+        // Accumulating: each sum added once to what C held.
+        Matrix<float> Ca = C0, Cab = C0;
+        moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, Ca.data(), count,
+                                         true);
+        moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, Cab.data(),
+                                         count, true, &arena);
+        EXPECT_TRUE(BitEqual(Ca, Matrix<float>(C0 + want))) << "float, accumulating";
+        EXPECT_TRUE(BitEqual(Cab, Matrix<float>(C0 + want_b))) << "bfloat16, accumulating";
       }
     }
   moh::set_kernel_tuning(saved);

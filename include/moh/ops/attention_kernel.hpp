@@ -407,14 +407,26 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
   }
 }
 
+/// Whether the passes of the weighted values over a run ask for the next run (NextRunLines):
+/// measured on Zen 3 only (see value_group_packets()); AVX-512's 2 passes of a run would ask
+/// for a quarter of the next one, unmeasured.
+#ifdef EIGEN_VECTORIZE_AVX512
+constexpr bool kValueNextRun = false;
+#else
+constexpr bool kValueNextRun = true;
+#endif
+
 /// The lines of the run of keys that the weighted values read next, asked for one at a time,
 /// `every` steps of one key apart, while the passes of the current run find it in the caches:
 /// otherwise memory is busy only while the first passes read their columns of a run (on Zen 3
 /// 4 queries' passes over a bfloat16 cache read 8 GB/s from memory and 14-19 from L3). Rows of
-/// row_bytes at `stride` bytes, from `row` up to `end`. A hint: it changes no result.
+/// row_bytes at `stride` bytes, each asked for from its first byte, a line (64 bytes) at a time,
+/// in order (a row that starts inside a line leaves the last line it reaches into unasked; the
+/// cache's rows of 128 floats or bfloat16 start on lines). The row pointer never moves past the
+/// last row. A hint: it changes no result.
 struct NextRunLines {
-  const char* row = nullptr;
-  const char* end = nullptr;
+  const char* row = nullptr;  // the row being asked for
+  Index rows_left = 0;        // from `row` on
   Index stride = 0;
   Index row_bytes = 0;
   Index offset = 0;  // of the next line in `row`
@@ -427,26 +439,27 @@ struct NextRunLines {
   static NextRunLines over(const void* first, Index rows, Index stride, Index row_bytes,
                            Index steps) {
     NextRunLines n;
+    if (rows <= 0 || row_bytes <= 0) return n;
     n.row = static_cast<const char*>(first);
-    n.end = n.row + rows * stride;
+    n.rows_left = rows;
     n.stride = stride;
     n.row_bytes = row_bytes;
     const Index lines = rows * ((row_bytes + 63) / 64);
-    n.every = n.countdown = std::max<Index>(1, steps / std::max<Index>(1, lines));
+    n.every = n.countdown = std::max<Index>(1, steps / lines);
     return n;
   }
 
   /// One step of one key: every `every` steps, asks for the next line (none past the last row)
   /// and returns it; else null.
   EIGEN_ALWAYS_INLINE const char* step() {
-    if (--countdown > 0 || row >= end) return nullptr;
+    if (--countdown > 0 || rows_left == 0) return nullptr;
     countdown = every;
     const char* line = row + offset;
-    prefetch_bytes(line, 1);
+    prefetch_lines(line, std::make_integer_sequence<Index, 1>{});
     offset += 64;
     if (offset >= row_bytes) {
       offset = 0;
-      row += stride;
+      if (--rows_left > 0) row += stride;
     }
     return line;
   }
@@ -467,7 +480,9 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
   constexpr Index L = packet_size<T>();
   constexpr Index kLines = (NP * L * Index(sizeof(Src)) + 63) / 64;  // of the panel's columns
   [[maybe_unused]] const Index ahead = kPrefetch ? prefetch_rows(row_bytes) : 0;
-  NextRunLines lines = next != nullptr ? *next : NextRunLines{};
+  [[maybe_unused]] NextRunLines lines;
+  if constexpr (kValueNextRun)
+    if (next != nullptr) lines = *next;
 #if defined(EIGEN_VECTORIZE_AVX2)
   // A bfloat16 cache, pairs of packets: each full-width load (64 bytes with AVX-512, 32 with
   // AVX2) widened into its even and its odd columns (widen_even_odd(): a shift and a mask,
@@ -489,7 +504,7 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
       if constexpr (kPrefetch)
         prefetch_lines(v + std::min(c + ahead, pf_last) * v_stride + x0,
                        std::make_integer_sequence<Index, kLines>{});
-      lines.step();
+      if constexpr (kValueNextRun) lines.step();
       P ve[kPairs], vo[kPairs];
       MOH_DETAIL_UNROLL_REGISTERS
       for (int q = 0; q < kPairs; ++q)
@@ -514,7 +529,8 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
         Eigen::internal::pstoreu(A + r * lda + x0 + (2 * q + 1) * L, a1);
       }
     }
-    if (next != nullptr) *next = lines;
+    if constexpr (kValueNextRun)
+      if (next != nullptr) *next = lines;
     return;
   }
 #endif
@@ -528,7 +544,7 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
     if constexpr (kPrefetch)
       prefetch_lines(v + std::min(c + ahead, pf_last) * v_stride + x0,
                      std::make_integer_sequence<Index, kLines>{});
-    lines.step();
+    if constexpr (kValueNextRun) lines.step();
     P vv[NP];
     MOH_DETAIL_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) vv[j] = load_packet<T>(v + c * v_stride + x0 + j * L);
@@ -544,7 +560,8 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
     MOH_DETAIL_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) Eigen::internal::pstoreu(A + r * lda + x0 + j * L, acc[r][j]);
   }
-  if (next != nullptr) *next = lines;
+  if constexpr (kValueNextRun)
+    if (next != nullptr) *next = lines;
 }
 
 /// few_query_values_panel over the last `packets` (<= NP) packets of columns from x0.
@@ -576,8 +593,8 @@ constexpr int kValueAccumulators = 8;
 
 // Keys per run of the weighted values' passes (few_query_values()), and the most bytes of
 // values a run holds where that is less. With AVX2's 8 accumulators 4 queries of 128 make 8
-// passes over each run (then one by one, each reading half of its rows; now in pairs, a
-// quarter): runs of 128 float rows (64 KiB) sent the
+// passes over each run (in session 20 one by one, each reading half of each row's columns;
+// since session 22 in pairs, each a quarter): runs of 128 float rows (64 KiB) sent the
 // later passes to L2, runs of 64 (32 KiB, Zen 3's L1) kept them in L1. Standalone (4 queries of
 // 128 over 64 blocks of 4096 keys from memory, medians of 15, 3 alternating runs, Zen 3, session
 // 20): 13.4-13.8 GB/s against 11.2-11.6 at 128; 32 keys 12.4-12.6; a bfloat16 cache (128 keys of
@@ -590,15 +607,6 @@ constexpr Index kValueRunBytes = std::numeric_limits<Index>::max();
 constexpr Index kValueRunBytes = 32 * 1024;
 #endif
 
-/// Whether the passes of the weighted values over a run ask for the next run (NextRunLines):
-/// measured on Zen 3 only (see value_group_packets()); AVX-512's 2 passes of a run would ask
-/// for a quarter of the next one, unmeasured.
-#ifdef EIGEN_VECTORIZE_AVX512
-constexpr bool kValueNextRun = false;
-#else
-constexpr bool kValueNextRun = true;
-#endif
-
 /// Keys per run of the weighted values for rows of `row_bytes`.
 inline Index value_run(Index row_bytes) {
   return std::max<Index>(16, std::min(kValueRun, kValueRunBytes / std::max<Index>(1, row_bytes)));
@@ -606,15 +614,16 @@ inline Index value_run(Index row_bytes) {
 
 /// Packets of columns per query that decide the groups of few_query_values(): all the queries
 /// in one group if they fit kValueAccumulators at this many each (or the head's fewer), else
-/// pairs, else one by one. Half the accumulators: with AVX2's 8, 4 queries go in pairs over 4
-/// packets rather than one by one over 8, which widens or loads each value packet once for two
-/// queries (the same 8 passes over a run). Standalone on Zen 3 (4 queries of 128 over 128 MB of
-/// bfloat16 values or 128 MB of float, from memory; medians of 15, 3 alternating runs, session
-/// 22): one by one read bfloat16 at 8.1-8.4 GB/s and float at 14.2-14.9; one by one with the
-/// next run asked for (NextRunLines) 12.5-13.5 and 13.3-14.4; pairs with the next run
-/// 15.4-15.8 and 15.7-17.1. From L3 (one block of 4096 keys again and again) pairs read
-/// bfloat16 faster (15-18 against 13-14.5) and float slower (21-24 against 26-28).
-/// AVX-512 keeps its groups (2 queries over 8 packets).
+/// pairs. Half the accumulators, so that a pair always fits: with AVX2's 8, 3 or 4 queries go
+/// in pairs over 4 packets, and 2 queries in one group over 4, rather than one by one over 8,
+/// which widens or loads each value packet once for two queries (4 queries of 128: the same 8
+/// passes over a run); one query keeps 8 packets. Standalone on Zen 3 (4 queries of 128 over
+/// 128 MB of bfloat16 values or 128 MB of float, from memory; medians of 15, 3 alternating
+/// runs, session 22): one by one read bfloat16 at 8.1-8.4 GB/s and float at 14.2-14.9; one by
+/// one with the next run asked for (NextRunLines) 12.5-13.5 and 13.3-14.4; pairs with the next
+/// run 15.4-15.8 and 15.7-17.1. From L3 (one block of 4096 keys again and again) pairs read
+/// bfloat16 faster (15-18 against 13-14.5) and float slower (21-24 against 26-28). 1-3 queries
+/// were not measured. AVX-512 keeps its groups (2 queries over 8 packets).
 constexpr int value_group_packets() { return std::min(8, kValueAccumulators / 2); }
 
 /// Packets of columns a weighted-value panel of `queries` queries spans.
@@ -644,30 +653,38 @@ void few_query_values_group(const T* W, Index ldw, const Src* v, Index v_stride,
 }
 
 /// A[NQ, d] += W[NQ, nk] V[nk, d] (V rows at v_stride, d whole packets). The queries go in
-/// groups (all NQ, else pairs, else one by one) whose accumulators over value_group_packets()
-/// packets fit kValueAccumulators, each group in column panels.
+/// groups, all NQ in one if their accumulators over value_group_packets() packets (or the
+/// head's fewer) fit kValueAccumulators, else in pairs (and the last one alone for an odd NQ),
+/// each group in column panels.
 template <class T, int NQ, class Src>
 void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index nk, Index d, T* A,
                       Index lda) {
   constexpr Index L = packet_size<T>();
+  static_assert(2 * value_group_packets() <= kValueAccumulators, "pairs always fit");
   const Index wide = std::min<Index>(value_group_packets(), d / L);
-  const int group = NQ * wide <= kValueAccumulators ? NQ
-                    : 2 * wide <= kValueAccumulators ? std::min(2, NQ)
-                                                     : 1;
-  // Column panels a group of qp queries makes, and the passes of all the groups over a run.
-  const auto panels = [&](int qp) {
-    const Index cols = value_panel_packets(qp) * L;
-    return (d + cols - 1) / cols;
+  const bool together = NQ <= 2 || NQ * wide <= kValueAccumulators;
+  // fn(std::integral_constant<int, QP>{}, r0) for each group of QP queries from r0, in order.
+  const auto for_groups = [&](auto&& fn) {
+    if (together) {
+      fn(std::integral_constant<int, NQ>{}, Index(0));
+    } else if constexpr (NQ > 2) {
+      Index r0 = 0;
+      for (; r0 + 2 <= NQ; r0 += 2) fn(std::integral_constant<int, 2>{}, r0);
+      if (r0 < NQ) fn(std::integral_constant<int, 1>{}, r0);
+    }
   };
-  const Index pairs = group == 2 && NQ > 2 ? NQ / 2 : 0;
-  const Index passes =
-      group == NQ ? panels(NQ) : pairs * panels(2) + (NQ - 2 * pairs) * panels(1);
+  // The passes of all the groups over a run: each group's column panels (the last narrower).
+  Index passes = 0;
+  for_groups([&](auto queries, Index) {
+    const Index cols = value_panel_packets(decltype(queries)::value) * L;
+    passes += (d + cols - 1) / cols;
+  });
   // More than one pass (groups or panels) goes over the values in runs of value_run() keys,
   // every pass per run, so that the later passes find the run in L1/L2 (each element's chain
   // over the keys stays in order: its accumulator is stored and reloaded between runs, exactly).
   // Meanwhile the passes ask for the next run's lines, spread evenly over their steps.
   const Index row_bytes = d * static_cast<Index>(sizeof(Src));
-  const bool one_pass = passes == 1;
+  const bool one_pass = passes <= 1;
   const Index run = one_pass ? nk : value_run(row_bytes);
   // For 3 or more queries (as the scores), the first group's panels ask for their columns of
   // the rows ahead, up to the block's last (the later groups find them in the caches).
@@ -676,11 +693,12 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
     const Index n = std::min(run, nk - c0);
     const Src* vr = v + c0 * v_stride;
     const Index next_rows = std::min(run, nk - c0 - n);
-    NextRunLines next = NextRunLines::over(vr + n * v_stride, next_rows,
-                                           v_stride * static_cast<Index>(sizeof(Src)),
-                                           row_bytes, passes * n);
-    NextRunLines* ask = kValueNextRun && !one_pass && next_rows > 0 ? &next : nullptr;
-    const auto pass = [&](auto queries, Index r0) {
+    NextRunLines next;
+    if (kValueNextRun && next_rows > 0)
+      next = NextRunLines::over(vr + n * v_stride, next_rows,
+                                v_stride * static_cast<Index>(sizeof(Src)), row_bytes, passes * n);
+    NextRunLines* ask = kValueNextRun && next_rows > 0 ? &next : nullptr;
+    for_groups([&](auto queries, Index r0) {
       constexpr int QP = decltype(queries)::value;
       const T* w = W + r0 * ldw + c0;
       if (prefetch && r0 == 0)
@@ -689,20 +707,7 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
       else
         few_query_values_group<T, QP, Src, false>(w, ldw, vr, v_stride, n, d, A + r0 * lda, lda,
                                                   row_bytes, nk - c0 - 1, ask);
-    };
-    if (group == NQ) {
-      pass(std::integral_constant<int, NQ>{}, 0);
-    } else {
-      for (Index r0 = 0; r0 < NQ; r0 += group) {
-        if constexpr (NQ > 2) {
-          if (group == 2 && r0 + 2 <= NQ) {
-            pass(std::integral_constant<int, 2>{}, r0);
-            continue;
-          }
-        }
-        pass(std::integral_constant<int, 1>{}, r0);
-      }
-    }
+    });
   }
 }
 

@@ -798,6 +798,17 @@ EIGEN_ALWAYS_INLINE void finish_dot(const GemmPacket<T>& acc, const T* a, const 
   out = accumulate ? out + sum : sum;
 }
 
+/// finish_dot() of the C chains of a dot product (a[0 .. C), overwritten): added pairwise (0 +
+/// C / 2, 1 + C / 2 + 1, ...; then the same over the first half; so on), then reduced.
+template <class T, class Src, int C>
+EIGEN_ALWAYS_INLINE void finish_chains(GemmPacket<T> (&a)[C], const T* A, const Src* w,
+                                       Index whole, Index K, T& out, bool accumulate) {
+  static_assert((C & (C - 1)) == 0, "the chains are added pairwise");
+  for (int half = C / 2; half > 0; half /= 2)
+    for (int c = 0; c < half; ++c) a[c] = Eigen::internal::padd(a[c], a[c + half]);
+  finish_dot<T>(a[0], A, w, whole, K, out, accumulate);
+}
+
 /// C[r, jj] (+)= A[r, :] . W[jj, :] for r < RA and jj < G, W's rows long (T or bfloat16,
 /// widened in registers): packet p of a row goes to chain p % row_chains<T, Src>(),
 /// the chains are added pairwise (0 + 2, 1 + 3; then 0 + 1; so on for more chains), reduced,
@@ -814,7 +825,6 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
   using P = GemmPacket<T>;
   constexpr Index L = Eigen::internal::unpacket_traits<P>::size;
   constexpr int kChains = row_chains<T, Src>();
-  static_assert((kChains & (kChains - 1)) == 0, "the chains are added pairwise");
   constexpr Index kStep = kChains * L;
   const Index whole = K / L * L;
   P acc[G][RA][kChains];
@@ -843,16 +853,13 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
   for (int c = 0; c < kChains; ++c)
     if (k + c * L < whole) chain(k + c * L, c);
   for (int g = 0; g < G; ++g)
-    for (int r = 0; r < RA; ++r) {
-      P* a = acc[g][r];
-      for (int half = kChains / 2; half > 0; half /= 2)
-        for (int c = 0; c < half; ++c) a[c] = Eigen::internal::padd(a[c], a[c + half]);
-      finish_dot<T>(a[0], A + r * lda, W + g * ldw, whole, K, C[r * ldc + g], accumulate);
-    }
+    for (int r = 0; r < RA; ++r)
+      finish_chains<T>(acc[g][r], A + r * lda, W + g * ldw, whole, K, C[r * ldc + g], accumulate);
 }
 
 /// Rows of W and of A in a tile of rows_product_chain_by_chain(), and the fewest rows of A that
-/// take that route (where chain_by_chain(): AVX-512 off, rows of A and W in T). Its G x RA
+/// take that route (where chain_by_chain(): AVX-512 off, rows of A and W in float; measured
+/// for float only). Its G x RA
 /// accumulators hold one chain at a time, so more rows share each load than 4 chains allow in
 /// AVX2's 16 registers (1 row of W x 2 of A). Standalone on Zen 3 (8 rows of A against 8 x 1024
 /// x 1024 floats from memory, the D = 1024 batch-8 projections; medians of 15, session 22):
@@ -866,7 +873,8 @@ constexpr bool chain_by_chain() {
 #if defined(EIGEN_VECTORIZE_AVX512)
   return false;
 #else
-  return std::is_same<T, Src>::value && row_chains<T, Src>() == kRowChains;
+  return std::is_same<T, float>::value && std::is_same<Src, float>::value &&
+         row_chains<T, Src>() == kRowChains;
 #endif
 }
 
@@ -908,12 +916,9 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
       for (int r = 0; r < RA; ++r) chains[g][r][c] = acc[g][r];
   }
   for (int g = 0; g < G; ++g)
-    for (int r = 0; r < RA; ++r) {
-      P* a = chains[g][r];
-      for (int half = kChains / 2; half > 0; half /= 2)
-        for (int c = 0; c < half; ++c) a[c] = Eigen::internal::padd(a[c], a[c + half]);
-      finish_dot<T>(a[0], A + r * lda, W + g * ldw, whole, K, C[r * ldc + g], accumulate);
-    }
+    for (int r = 0; r < RA; ++r)
+      finish_chains<T>(chains[g][r], A + r * lda, W + g * ldw, whole, K, C[r * ldc + g],
+                       accumulate);
 }
 
 /// rows_product_chain_by_chain() of G rows of W (from row j) against rows [r, n) of A: RA at a
@@ -954,9 +959,10 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
   static_assert(kMost <= KernelTuning::kMaxWeightStreams, "tiles for every streams setting");
   if (n > 1) {
     if constexpr (chain_by_chain<T, Src>()) {
-      for (; n >= kChainByChainRows && j + kChainTileW <= count; j += kChainTileW)
-        chain_by_chain_rows<T, kChainTileW, kChainTileA>(A, lda, 0, n, W + j * ldw, ldw, K,
-                                                         C + j, ldc, accumulate);
+      if (n >= kChainByChainRows)
+        for (; j + kChainTileW <= count; j += kChainTileW)
+          chain_by_chain_rows<T, kChainTileW, kChainTileA>(A, lda, 0, n, W + j * ldw, ldw, K,
+                                                           C + j, ldc, accumulate);
     }
     tiles(std::integral_constant<int, long_row_tile<T, Src>()>{});
   } else {
