@@ -798,8 +798,8 @@ EIGEN_ALWAYS_INLINE void finish_dot(const GemmPacket<T>& acc, const T* a, const 
   out = accumulate ? out + sum : sum;
 }
 
-/// finish_dot() of the C chains of a dot product (a[0 .. C), overwritten): added pairwise (0 +
-/// C / 2, 1 + C / 2 + 1, ...; then the same over the first half; so on), then reduced.
+/// finish_dot() of the C chains of a dot product (a[0 .. C), overwritten): added pairwise
+/// (a[i] + a[i + C / 2] for i < C / 2; then the same over the first half; so on), then reduced.
 template <class T, class Src, int C>
 EIGEN_ALWAYS_INLINE void finish_chains(GemmPacket<T> (&a)[C], const T* A, const Src* w,
                                        Index whole, Index K, T& out, bool accumulate) {
@@ -858,10 +858,9 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
 }
 
 /// Rows of W and of A in a tile of rows_product_chain_by_chain(), and the fewest rows of A that
-/// take that route (where chain_by_chain(): AVX-512 off, rows of A and W in float; measured
-/// for float only). Its G x RA
-/// accumulators hold one chain at a time, so more rows share each load than 4 chains allow in
-/// AVX2's 16 registers (1 row of W x 2 of A). Standalone on Zen 3 (8 rows of A against 8 x 1024
+/// take that route (where chain_by_chain(): AVX-512 off, rows of A and W in float, the only
+/// type measured). Its G x RA accumulators hold one chain at a time, so more rows share each
+/// load than 4 chains allow in AVX2's 16 registers (1 row of W x 2 of A). Standalone on Zen 3 (8 rows of A against 8 x 1024
 /// x 1024 floats from memory, the D = 1024 batch-8 projections; medians of 15, session 22):
 /// 6.6-7.1 ms before, 4.8-5.1 with 4 x 2 tiles, 5.0-5.5 with 3 x 3, 4 x 1 or 5 x 2, 6.8 with 2 x
 /// 2; 2 rows of A 2.76 ms before, 2.81 with 4 x 2 and 2.91 with 3 x 3, hence only from 4 rows.
@@ -921,7 +920,7 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
                        accumulate);
 }
 
-/// rows_product_chain_by_chain() of G rows of W (from row j) against rows [r, n) of A: RA at a
+/// rows_product_chain_by_chain() of the G rows of W at W against rows [r, n) of A: RA at a
 /// time, then the rows left over, fewer.
 template <class T, int G, int RA>
 void chain_by_chain_rows(const T* A, Index lda, Index r, Index n, const T* W, Index ldw, Index K,
