@@ -1,6 +1,6 @@
 // Compiled (not run) by the umbrella_headers_stay_plain_* tests: <moh/moh.hpp> brings the layers,
-// ops and runtime without nlohmann-json or POSIX file headers, and <moh/io.hpp> brings checkpoints
-// without the golden-case runner.
+// ops and runtime without nlohmann-json, POSIX file headers or the kernels' private macros, and
+// <moh/io.hpp> brings checkpoints without the golden-case runner.
 #include "moh/moh.hpp"
 
 #if defined(NLOHMANN_JSON_VERSION_MAJOR) || defined(INCLUDE_NLOHMANN_JSON_HPP_)
@@ -11,6 +11,11 @@
 // headers ask for huge pages with madvise (runtime/large_buffer.hpp), on Linux only.
 #if defined(_FCNTL_H) || defined(_SYS_STAT_H)
 #error "<moh/moh.hpp> includes POSIX file headers"
+#endif
+
+// The kernels' loop hint (ops/detail/unroll_begin.hpp) stays inside their headers.
+#ifdef MOH_DETAIL_UNROLL_REGISTERS
+#error "<moh/moh.hpp> leaves MOH_DETAIL_UNROLL_REGISTERS defined"
 #endif
 
 #include "moh/io.hpp"

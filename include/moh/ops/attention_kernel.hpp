@@ -23,6 +23,8 @@
 #include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
 
+#include "moh/ops/detail/unroll_begin.hpp"
+
 namespace moh {
 
 /// Which keys each query may see.
@@ -480,7 +482,12 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
   constexpr Index L = packet_size<T>();
   constexpr Index kLines = (NP * L * Index(sizeof(Src)) + 63) / 64;  // of the panel's columns
   [[maybe_unused]] const Index ahead = kPrefetch ? prefetch_rows(row_bytes) : 0;
+  // The caller's next-run steps, in registers while the keys go by, handed back at the end.
   [[maybe_unused]] NextRunLines lines;
+  [[maybe_unused]] const auto hand_back = [&] {
+    if constexpr (kValueNextRun)
+      if (next != nullptr) *next = lines;
+  };
   if constexpr (kValueNextRun)
     if (next != nullptr) lines = *next;
 #if defined(EIGEN_VECTORIZE_AVX2)
@@ -529,8 +536,7 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
         Eigen::internal::pstoreu(A + r * lda + x0 + (2 * q + 1) * L, a1);
       }
     }
-    if constexpr (kValueNextRun)
-      if (next != nullptr) *next = lines;
+    hand_back();
     return;
   }
 #endif
@@ -560,8 +566,7 @@ void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride,
     MOH_DETAIL_UNROLL_REGISTERS
     for (int j = 0; j < NP; ++j) Eigen::internal::pstoreu(A + r * lda + x0 + j * L, acc[r][j]);
   }
-  if constexpr (kValueNextRun)
-    if (next != nullptr) *next = lines;
+  hand_back();
 }
 
 /// few_query_values_panel over the last `packets` (<= NP) packets of columns from x0.
@@ -631,8 +636,16 @@ constexpr int value_panel_packets(int queries) {
   return std::min(8, std::max(1, kValueAccumulators / queries));
 }
 
-/// A[QP, d] += W[QP, nk] V[nk, d] for one group of QP queries, in column panels of
-/// value_panel_packets(QP) packets (the packets left, fewer, in one more panel). With kPrefetch
+/// Column panels (passes over the keys) of a group of `queries` queries over d columns (whole
+/// packets): value_panel_packets(queries) packets each, the packets left, fewer, in one more.
+template <class T>
+constexpr Index value_panels(int queries, Index d) {
+  const Index cols = value_panel_packets(queries) * packet_size<T>();
+  return (d + cols - 1) / cols;
+}
+
+/// A[QP, d] += W[QP, nk] V[nk, d] for one group of QP queries, in value_panels<T>(QP, d) column
+/// panels. With kPrefetch
 /// every panel asks for its own columns of the rows ahead (rows of row_bytes, at most row
 /// pf_last). `next` (optional): see few_query_values_panel().
 template <class T, int QP, class Src, bool kPrefetch>
@@ -643,13 +656,17 @@ void few_query_values_group(const T* W, Index ldw, const Src* v, Index v_stride,
   constexpr int NP = value_panel_packets(QP);
   constexpr int kRest = NP > 1 ? NP - 1 : 1;
   Index x0 = 0;
-  for (; x0 + NP * L <= d; x0 += NP * L)
+  [[maybe_unused]] Index panels = 0;
+  for (; x0 + NP * L <= d; x0 += NP * L, ++panels)
     few_query_values_panel<T, QP, NP, Src, kPrefetch>(W, ldw, v, v_stride, nk, x0, A, lda,
                                                       row_bytes, pf_last, next);
   // A head of 4 packets with one query is one panel of 4 chains, not 4 passes with one each.
-  if (x0 < d)
+  if (x0 < d) {
     few_query_values_rest<T, QP, kRest, Src, kPrefetch>((d - x0) / L, W, ldw, v, v_stride, nk, x0,
                                                         A, lda, row_bytes, pf_last, next);
+    ++panels;
+  }
+  eigen_assert(panels == value_panels<T>(QP, d) && "the passes few_query_values() counted");
 }
 
 /// A[NQ, d] += W[NQ, nk] V[nk, d] (V rows at v_stride, d whole packets). The queries go in
@@ -675,10 +692,7 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
   };
   // The passes of all the groups over a run: each group's column panels (the last narrower).
   Index passes = 0;
-  for_groups([&](auto queries, Index) {
-    const Index cols = value_panel_packets(decltype(queries)::value) * L;
-    passes += (d + cols - 1) / cols;
-  });
+  for_groups([&](auto queries, Index) { passes += value_panels<T>(decltype(queries)::value, d); });
   // More than one pass (groups or panels) goes over the values in runs of value_run() keys,
   // every pass per run, so that the later passes find the run in L1/L2 (each element's chain
   // over the keys stays in order: its accumulator is stored and reloaded between runs, exactly).
@@ -1048,3 +1062,5 @@ void attention(const AttentionQueries<T>& queries, const AttentionKeysValues<T>&
 }
 
 }  // namespace moh
+
+#include "moh/ops/detail/unroll_end.hpp"

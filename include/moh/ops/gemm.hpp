@@ -34,18 +34,7 @@
 #include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
 
-// Put before each loop over the register arrays of a kernel (their initialisation, use and
-// store): GCC 12 unrolls such loops only after it has placed the arrays in memory, and then
-// stored the bfloat16 weighted-value panel's 16 accumulators (attention_kernel.hpp) to the
-// stack on every key. Unrolled from the start, the arrays become registers. Other compilers
-// need no hint. For moh's kernels only (not undefined here: attention_kernel.hpp uses it too).
-#ifndef MOH_DETAIL_UNROLL_REGISTERS
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8
-#define MOH_DETAIL_UNROLL_REGISTERS _Pragma("GCC unroll 16")
-#else
-#define MOH_DETAIL_UNROLL_REGISTERS
-#endif
-#endif
+#include "moh/ops/detail/unroll_begin.hpp"
 
 namespace moh {
 namespace detail {
@@ -659,7 +648,7 @@ constexpr bool even_odd_widening() {
 /// the same chains, so a row's bits still depend on no other row.
 template <class T, class Src>
 constexpr int row_chains() {
-#if defined(__AVX512F__)
+#if defined(EIGEN_VECTORIZE_AVX512)
   return kRowChains;
 #else
   return even_odd_widening<T, Src>() ? 2 : kRowChains;
@@ -857,15 +846,15 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
       finish_chains<T>(acc[g][r], A + r * lda, W + g * ldw, whole, K, C[r * ldc + g], accumulate);
 }
 
-/// Rows of W and of A in a tile of rows_product_chain_by_chain(), and the fewest rows of A that
-/// take that route (where chain_by_chain(): AVX-512 off, rows of A and W in float, the only
-/// type measured). Its G x RA accumulators hold one chain at a time, so more rows share each
-/// load than 4 chains allow in AVX2's 16 registers (1 row of W x 2 of A). Standalone on Zen 3 (8 rows of A against 8 x 1024
-/// x 1024 floats from memory, the D = 1024 batch-8 projections; medians of 15, session 22):
+/// Rows of W in a tile of rows_product_chain_by_chain() (against rows of A in pairs,
+/// for_row_pairs()), and the fewest rows of A that take that route (where chain_by_chain():
+/// AVX-512 off, rows of A and W in float, the only type measured). Its G x RA accumulators hold
+/// one chain at a time, so more rows share each load than 4 chains allow in AVX2's 16 registers
+/// (1 row of W x 2 of A). Standalone on Zen 3 (8 rows of A against 8 x 1024 x 1024 floats from
+/// memory, the D = 1024 batch-8 projections; medians of 15, session 22):
 /// 6.6-7.1 ms before, 4.8-5.1 with 4 x 2 tiles, 5.0-5.5 with 3 x 3, 4 x 1 or 5 x 2, 6.8 with 2 x
 /// 2; 2 rows of A 2.76 ms before, 2.81 with 4 x 2 and 2.91 with 3 x 3, hence only from 4 rows.
 constexpr int kChainTileW = 4;
-constexpr int kChainTileA = 2;
 constexpr Index kChainByChainRows = 4;
 template <class T, class Src>
 constexpr bool chain_by_chain() {
@@ -920,18 +909,6 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
                        accumulate);
 }
 
-/// rows_product_chain_by_chain() of the G rows of W at W against rows [r, n) of A: RA at a
-/// time, then the rows left over, fewer.
-template <class T, int G, int RA>
-void chain_by_chain_rows(const T* A, Index lda, Index r, Index n, const T* W, Index ldw, Index K,
-                         T* C, Index ldc, bool accumulate) {
-  for (; r + RA <= n; r += RA)
-    rows_product_chain_by_chain<T, G, RA>(A + r * lda, lda, W, ldw, K, C + r * ldc, ldc,
-                                          accumulate);
-  if constexpr (RA > 1)
-    if (r < n) chain_by_chain_rows<T, G, RA - 1>(A, lda, r, n, W, ldw, K, C, ldc, accumulate);
-}
-
 /// rows_product() over long rows of W: one row of A reads W `streams` rows at a time, side by
 /// side (G = streams, at most max_streams(); the rest one by one); more rows of A take W
 /// long_row_tile() rows at a time against pairs of A rows, so that the rows of A, re-read from
@@ -960,8 +937,10 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
     if constexpr (chain_by_chain<T, Src>()) {
       if (n >= kChainByChainRows)
         for (; j + kChainTileW <= count; j += kChainTileW)
-          chain_by_chain_rows<T, kChainTileW, kChainTileA>(A, lda, 0, n, W + j * ldw, ldw, K,
-                                                           C + j, ldc, accumulate);
+          for_row_pairs(n, [&](Index r, auto ra) {
+            rows_product_chain_by_chain<T, kChainTileW, decltype(ra)::value>(
+                A + r * lda, lda, W + j * ldw, ldw, K, C + r * ldc + j, ldc, accumulate);
+          });
     }
     tiles(std::integral_constant<int, long_row_tile<T, Src>()>{});
   } else {
@@ -1168,3 +1147,5 @@ void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M
 
 }  // namespace detail
 }  // namespace moh
+
+#include "moh/ops/detail/unroll_end.hpp"

@@ -1,0 +1,2 @@
+// Closes what detail/unroll_begin.hpp opened (no include guard: included once per kernel header).
+#undef MOH_DETAIL_UNROLL_REGISTERS
