@@ -239,7 +239,8 @@ def decode_section(runs, lines):
     read_on = {r.p("threads"): r.c("read_GBps") for r in pair}  # threads -> combined rate
     if reads:
         lines.append(f"read of {reads[0].p('bytes') / 2**20:.0f} MiB (BM_MemRead, a vectorised "
-                     f"sum on one core, huge pages where the system allows): "
+                     f"sum of 8 parts side by side on one core, huge pages where the system "
+                     f"allows): "
                      f"{fmt(reads[0].ms, 2)} ms, {fmt(read, 2)} GB/s. `% of read` = total GB/s / "
                      "this rate: how close a step comes to streaming its bytes at the rate one "
                      "core reads memory.")
