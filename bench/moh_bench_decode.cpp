@@ -352,8 +352,9 @@ void BM_MoH_Prefill_Llama(benchmark::State& state) {
 // A vectorised sum over a buffer far beyond the last-level cache: the rate at which one core
 // reads memory, the limit of a decode step that streams its weights and cache once. The buffer
 // is a moh::LargeBuffer, like the layers' weights and caches (huge pages where the system
-// allows); 8 parts read side by side into 8 independent accumulators keep enough loads in
-// flight. read_GBps = bytes / time.
+// allows); 8 parts read side by side, a line of each per step, into 8 independent accumulators
+// (each load of a step to the next one in turn) keep enough loads in flight. read_GBps = bytes /
+// time.
 // On N threads each sums its own share (bytes / N): Google Benchmark reports the row's time as
 // the wall time over the iterations of all N threads (a share's time / N), so bytes / that
 // time counts the bytes N times; read_GBps, which it sums over the threads, is the N cores'

@@ -419,38 +419,49 @@ TEST(RowsProduct, AnElementDoesNotDependOnTheRowsOfWBesideIt) {
 }
 
 // Strided A, W and C (views into larger matrices), short and long rows, float and bfloat16,
-// accumulating: the product is right and nothing outside C's block changes.
+// accumulating: the product is right and nothing outside C's block changes. No rows of A (C is
+// left alone), one row of A with each weight_streams setting (long rows in parts, at W's and
+// C's strides; fewer rows of W than parts too) and tiles of rows of A.
 TEST(RowsProduct, ReadsStridedViewsAndLeavesTheRestOfCAlone) {
-  const Index n = 5, count = 11, pad = 7;
-  for (Index K : {Index(200), Index(309)}) {
-    SCOPED_TRACE(testing::Message() << "K=" << K);
-    const Matrix<float> Abig = moh_test::random_matrix<float>(n + 2, K + pad, 30);
-    const Matrix<float> Wbig = moh_test::random_matrix<float>(count + 3, K + pad, 31);
-    const BFloat16Copy wb(Wbig);
-    for (bool bf16 : {false, true}) {
-      Matrix<float> Cbig = moh_test::random_matrix<float>(n + 4, count + pad, 32);
-      const Matrix<float> before = Cbig;
-      const float* a = Abig.data() + 1 * Abig.cols() + 2;
-      const Index w_offset = 2 * Wbig.cols() + 3, ldw = Wbig.cols();
-      float* c = Cbig.data() + 3 * Cbig.cols() + 4;
-      if (bf16)
-        moh::detail::rows_product<float>(a, Abig.cols(), n, wb.bits.data() + w_offset, ldw, count,
-                                         K, c, Cbig.cols(), true);
-      else
-        moh::detail::rows_product<float>(a, Abig.cols(), n, Wbig.data() + w_offset, ldw, count, K,
-                                         c, Cbig.cols(), true);
-      const Matrix<float>& Wsrc = bf16 ? wb.widened : Wbig;
-      const Matrix<double> want =
-          before.block(3, 4, n, count).cast<double>() +
-          Abig.block(1, 2, n, K).cast<double>() *
-              Wsrc.block(2, 3, count, K).cast<double>().transpose();
-      EXPECT_LE(moh_test::max_abs_diff(Cbig.block(3, 4, n, count), want), 1e-6 * (K + 2))
-          << (bf16 ? "bfloat16" : "float");
-      Matrix<float> outside = Cbig;
-      outside.block(3, 4, n, count) = before.block(3, 4, n, count);
-      EXPECT_TRUE(BitEqual(outside, before)) << (bf16 ? "bfloat16" : "float");
-    }
-  }
+  const moh::KernelTuning saved = moh::kernel_tuning();
+  const Index pad = 7;
+  for (Index n : {0, 1, 5})
+    for (Index count : {3, 11})
+      for (int streams = 1; streams <= moh::KernelTuning::kMaxWeightStreams; ++streams)
+        for (Index K : {Index(200), Index(309)}) {
+          SCOPED_TRACE(testing::Message()
+                       << "n=" << n << " count=" << count << " streams=" << streams << " K=" << K);
+          moh::KernelTuning t;
+          t.weight_streams = streams;
+          moh::set_kernel_tuning(t);
+          const Matrix<float> Abig = moh_test::random_matrix<float>(n + 2, K + pad, 30);
+          const Matrix<float> Wbig = moh_test::random_matrix<float>(count + 3, K + pad, 31);
+          const BFloat16Copy wb(Wbig);
+          for (bool bf16 : {false, true}) {
+            Matrix<float> Cbig = moh_test::random_matrix<float>(n + 4, count + pad, 32);
+            const Matrix<float> before = Cbig;
+            const float* a = Abig.data() + 1 * Abig.cols() + 2;
+            const Index w_offset = 2 * Wbig.cols() + 3, ldw = Wbig.cols();
+            float* c = Cbig.data() + 3 * Cbig.cols() + 4;
+            if (bf16)
+              moh::detail::rows_product<float>(a, Abig.cols(), n, wb.bits.data() + w_offset, ldw,
+                                               count, K, c, Cbig.cols(), true);
+            else
+              moh::detail::rows_product<float>(a, Abig.cols(), n, Wbig.data() + w_offset, ldw,
+                                               count, K, c, Cbig.cols(), true);
+            const Matrix<float>& Wsrc = bf16 ? wb.widened : Wbig;
+            const Matrix<double> want =
+                before.block(3, 4, n, count).cast<double>() +
+                Abig.block(1, 2, n, K).cast<double>() *
+                    Wsrc.block(2, 3, count, K).cast<double>().transpose();
+            EXPECT_LE(moh_test::max_abs_diff(Cbig.block(3, 4, n, count), want), 1e-6 * (K + 2))
+                << (bf16 ? "bfloat16" : "float");
+            Matrix<float> outside = Cbig;
+            outside.block(3, 4, n, count) = before.block(3, 4, n, count);
+            EXPECT_TRUE(BitEqual(outside, before)) << (bf16 ? "bfloat16" : "float");
+          }
+        }
+  moh::set_kernel_tuning(saved);
 }
 
 // One row of A reads long rows of W in one stream, more rows take W in tiles of rows: the bits
@@ -540,15 +551,16 @@ float documented_chains(const float* a, const Src* w, Index K) {
 }
 
 // Every route gives each element exactly those bits, from float and from bfloat16 weights: one
-// row of A with each weight_streams setting (long rows side by side, short rows in parts read
-// side by side), tiles of W against pairs of rows of A, tiles computed chain by chain (4 or more
-// rows of A in float; an odd row of A and rows of W left over), the even/odd loop with an arena;
-// accumulating or not. (K with products left over: ARowDoesNotDependOnTheOtherRows.)
+// row of A with each weight_streams setting (long rows and short rows in parts read side by
+// side, with rows of W left over), tiles of W against pairs of rows of A, tiles computed chain
+// by chain (4 or more rows of A in float; an odd row of A and rows of W left over), the
+// even/odd loop with an arena; accumulating or not. (K with products left over:
+// ARowDoesNotDependOnTheOtherRows.)
 TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
   constexpr Index L = sizeof(moh::detail::GemmPacket<float>) / sizeof(float);
   const moh::KernelTuning saved = moh::kernel_tuning();
   Arena arena;
-  // Tiles of 1-6 rows, 2 or 4 parts, and the rows left over after each (1 and 3).
+  // 1-6 parts of long rows, 2 or 4 of short rows, tiles, and the rows left over after each.
   const Index count = 15;
   // Short rows (a head of 128, the longest short row), then 33 and 130 packets of AVX2 (33
   // leaves a packet over for 2 or 4 chains, 130 two for 4).

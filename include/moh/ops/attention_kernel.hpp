@@ -650,9 +650,8 @@ constexpr Index value_panels(int queries, Index d) {
 }
 
 /// A[QP, d] += W[QP, nk] V[nk, d] for one group of QP queries, in value_panels<T>(QP, d) column
-/// panels. With kPrefetch
-/// every panel asks for its own columns of the rows ahead (rows of row_bytes, at most row
-/// pf_last). `next` (optional): see few_query_values_panel().
+/// panels. With kPrefetch every panel asks for its own columns of the rows ahead (rows of
+/// row_bytes, at most row pf_last). `next` (optional): see few_query_values_panel().
 template <class T, int QP, class Src, bool kPrefetch>
 void few_query_values_group(const T* W, Index ldw, const Src* v, Index v_stride, Index nk,
                             Index d, T* A, Index lda, Index row_bytes, Index pf_last,

@@ -910,16 +910,24 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
                        accumulate);
 }
 
-/// One row of A against long rows of W in G parts side by side: the rows split into G parts of
-/// equal length, part g's t-th row in step t with the other parts' (rows_product_long() with
-/// W's row stride times the part, and C's elements as far apart), so that each of the G streams
+/// C[g part + t] (+)= A . W[g part + t, :] for g < G and t < part = count / G: one row of A
+/// against long rows of W in G parts side by side, part g's t-th row in step t with the other
+/// parts' (rows_product_long() with W's row stride times the part, and C's elements as far
+/// apart), so that each of the G streams
 /// reads its part from first byte to last, one sequence of addresses across all steps (as the
 /// short rows' parts, short_rows_step(), and the scores' parts of a block's keys). With G
 /// neighbouring rows per step instead, every step started G new streams. The rows left over,
 /// fewer than G, are the caller's. Each element has the bits it has in any tile. Standalone on
 /// Zen 3 (one row of A against 4096 x 4096 weights from memory, 128 MB, medians of 15, three
-/// alternating runs, session 23): bfloat16 18.5-20.4 -> 22.0-22.9 GB/s (6 parts), float
-/// 23.7-25.5 -> 24.7-25.4 (3 parts).
+/// alternating runs, session 23): bfloat16 18.5-20.4 -> 20.3-23.1 GB/s (6 parts), float
+/// 23.7-25.5 -> 24.7-25.8 (3 parts); the LLaMA3-8B step's projections, parts and tiles
+/// alternating in one process, 0.90-0.92x the time in bfloat16 and 0.97-0.98x in float. Only
+/// where kLongRowParts: AVX-512 keeps its neighbouring rows (measured so on Zen 4, not in parts).
+#if defined(EIGEN_VECTORIZE_AVX512)
+constexpr bool kLongRowParts = false;
+#else
+constexpr bool kLongRowParts = true;
+#endif
 template <class T, int G, class Src, bool kEvenOdd>
 void rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, Index count, Index K,
                              T* C, bool accumulate, const T* Ap, Index ldap) {
@@ -930,11 +938,12 @@ void rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, Ind
 }
 
 /// rows_product() over long rows of W: one row of A reads W in `streams` parts side by side
-/// (G = streams, at most max_streams(): rows_product_long_parts(); the rest one by one); more
-/// rows of A take W long_row_tile() rows at a time against pairs of A rows, so that the rows of
-/// A, re-read from L1/L2 for every tile of W, are read that many times less often;
-/// kChainByChainRows rows of A or more take W kChainTileW rows at a time chain by chain where
-/// chain_by_chain(). No element's bits depend on any of these.
+/// (G = streams, at most max_streams(): rows_product_long_parts(), or `streams` neighbouring
+/// rows at a time where kLongRowParts is off; the rest one by one); more rows of A take W
+/// long_row_tile() rows at a time against pairs of A rows, so that the rows of A, re-read from
+/// L1/L2 for every tile of W, are read that many times less often; kChainByChainRows rows of A
+/// or more take W kChainTileW rows at a time chain by chain where chain_by_chain(). No rows of
+/// A: nothing is read or written. No element's bits depend on any of these.
 /// kEvenOdd: see rows_product_long() (Ap, ldap as there).
 template <class T, class Src, bool kEvenOdd = false>
 void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count,
@@ -963,17 +972,22 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
           });
     }
     tiles(std::integral_constant<int, long_row_tile<T, Src>()>{});
-  } else {
+  } else if (n == 1) {
     const int streams = std::min(weight_streams(), kMost);
-    // `streams` parts, compiled only up to kMost (more would not fit the registers).
+    // `streams` parts (or tiles of neighbouring rows), compiled only up to kMost (more would
+    // not fit the registers).
     const auto side_by_side = [&](auto g_tile) {
       constexpr int G = decltype(g_tile)::value;
-      if constexpr (G <= kMost)
-        if (streams == G) {
+      if constexpr (G <= kMost) {
+        if (streams != G) return;
+        if constexpr (kLongRowParts) {
           rows_product_long_parts<T, G, Src, kEvenOdd>(A, lda, W + j * ldw, ldw, count - j, K,
                                                        C + j, accumulate, Ap, ldap);
           j += (count - j) / G * G;
+        } else {
+          tiles(g_tile);
         }
+      }
     };
     side_by_side(std::integral_constant<int, 6>{});
     side_by_side(std::integral_constant<int, 5>{});

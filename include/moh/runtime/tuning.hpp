@@ -23,10 +23,10 @@ namespace moh {
 /// Read patterns of the decode kernels (plain data; see the header comment).
 struct KernelTuning {
   /// Most weight rows of a decode product's long rows (more than 256 elements) that one row of
-  /// the input reads side by side, each from its own part of the rows, in [1,
-  /// kMaxWeightStreams]; builds without AVX-512 use at most 3 of float weights (6 of bfloat16
-  /// weights on AVX2). Short rows (a head's slice of W_o) are read in 4 parts side by side when
-  /// this is 4 or more, 2 when 2-3, else one.
+  /// the input reads side by side, in [1, kMaxWeightStreams]: without AVX-512 each from its own
+  /// part of the rows, and at most 3 of float weights (6 of bfloat16 weights on AVX2). Short
+  /// rows (a head's slice of W_o) are read in 4 parts side by side when this is 4 or more, 2
+  /// when 2-3, else one.
   int weight_streams = 6;
   /// Whether attention of 3 or more queries per key/value head over a float cache (a GQA group's
   /// decode step) prefetches the keys and values ahead of its reads. A bfloat16 cache always is.
