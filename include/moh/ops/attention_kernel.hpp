@@ -628,12 +628,13 @@ inline Index value_run(Index row_bytes) {
 /// one with the next run asked for (NextRunLines) 12.5-13.5 and 13.3-14.4; pairs with the next
 /// run 15.4-15.8 and 15.7-17.1. From L3 (one block of 4096 keys again and again) pairs read
 /// bfloat16 faster (15-18 against 13-14.5) and float slower (21-24 against 26-28). 1-3 queries
-/// (session 23, the same program, 4-10 alternating runs against session 21's code): bfloat16
-/// faster for each (one query 12.2-15.7 -> 13.1-18.6 GB/s, two 10.4-11.8 -> 14.0-15.8, three
-/// 7.1-9.5 -> 9.7-13.6); float within the host's noise (one 16.0-20.1 against 14.6-19.4, three
-/// 11.2-15.9 against 12.0-15.3) but two queries perhaps 5% slower (13.1-18.5 against
-/// 10.7-16.7); without the next run's lines float read 11-14 for 2-4 queries, so they stay.
-/// AVX-512 keeps its groups (2 queries over 8 packets).
+/// (session 23, the same program against session 21's code, alternating runs, before -> after):
+/// bfloat16 faster for each (one query 14.0-15.7 -> 16.9-18.6 GB/s over 6 runs, two 10.4-11.8
+/// -> 14.4-15.8 and three 8.3-9.5 -> 11.9-13.6 over 4); float one query 17.4-20.1 -> 16.9-19.4
+/// and three 12.9-15.9 -> 13.6-15.3 (noise), two queries 5-10% slower (medians 16.1 -> 15.2
+/// over 4 runs, 18.0 -> 16.5 over 3); without the next run's lines float read 11-14 for 2-4
+/// queries (against 14-17), so the groups and lines stay for all. AVX-512 keeps its groups (2
+/// queries over 8 packets).
 constexpr int value_group_packets() { return std::min(8, kValueAccumulators / 2); }
 
 /// Packets of columns a weighted-value panel of `queries` queries spans.

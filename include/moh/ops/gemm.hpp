@@ -913,16 +913,16 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
 /// C[g part + t] (+)= A . W[g part + t, :] for g < G and t < part = count / G: one row of A
 /// against long rows of W in G parts side by side, part g's t-th row in step t with the other
 /// parts' (rows_product_long() with W's row stride times the part, and C's elements as far
-/// apart), so that each of the G streams
-/// reads its part from first byte to last, one sequence of addresses across all steps (as the
-/// short rows' parts, short_rows_step(), and the scores' parts of a block's keys). With G
-/// neighbouring rows per step instead, every step started G new streams. The rows left over,
-/// fewer than G, are the caller's. Each element has the bits it has in any tile. Standalone on
-/// Zen 3 (one row of A against 4096 x 4096 weights from memory, 128 MB, medians of 15, three
-/// alternating runs, session 23): bfloat16 18.5-20.4 -> 20.3-23.1 GB/s (6 parts), float
-/// 23.7-25.5 -> 24.7-25.8 (3 parts); the LLaMA3-8B step's projections, parts and tiles
-/// alternating in one process, 0.90-0.92x the time in bfloat16 and 0.97-0.98x in float. Only
-/// where kLongRowParts: AVX-512 keeps its neighbouring rows (measured so on Zen 4, not in parts).
+/// apart), so that each of the G streams reads its part from first byte to last, one sequence
+/// of addresses across all steps (as the short rows' parts, short_rows_step(), and the scores'
+/// parts of a block's keys). With G neighbouring rows per step instead, every step started G
+/// new streams. The rows left over, fewer than G, are the caller's. Each element has the bits
+/// it has in any tile. Standalone on Zen 3 (one row of A against 4096 x 4096 weights from
+/// memory, 128 MB, medians of 15, six alternating runs, session 23): bfloat16 18.5-20.4 ->
+/// 20.3-23.1 GB/s (6 parts), float 23.7-25.5 -> 24.7-25.8 (3 parts); the LLaMA3-8B step's
+/// projections, parts and tiles alternating in one process, 0.90-0.92x the time in bfloat16 and
+/// 0.97-0.98x in float. Only where kLongRowParts: AVX-512 keeps its neighbouring rows (measured
+/// so on Zen 4, not in parts).
 #if defined(EIGEN_VECTORIZE_AVX512)
 constexpr bool kLongRowParts = false;
 #else
