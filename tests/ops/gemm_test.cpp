@@ -605,6 +605,60 @@ TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
   moh::set_kernel_tuning(saved);
 }
 
+// for_parts<G, kStep>: every item of the whole steps taken once, part g from its first item to
+// its last (its items in increasing order), fewer than G kStep items left, all G parts equal.
+template <int G, Index kStep>
+void check_for_parts() {
+  for (Index count = 0; count <= 40; ++count) {
+    SCOPED_TRACE(testing::Message() << "G=" << G << " step=" << kStep << " count=" << count);
+    std::vector<int> seen(count, 0);
+    std::vector<Index> last(G, -1);  // the last item taken in each part
+    Index parts_of = -1;
+    const Index taken = moh::detail::for_parts<G, kStep>(count, [&](Index i, Index part) {
+      parts_of = part;
+      EXPECT_EQ(i % kStep, 0);
+      for (int g = 0; g < G; ++g)
+        for (Index j = 0; j < kStep; ++j) {
+          const Index item = g * part + i + j;
+          ASSERT_LT(item, count);
+          ++seen[item];
+          EXPECT_GT(item, last[g]);
+          last[g] = item;
+        }
+    });
+    EXPECT_EQ(taken, count / (G * kStep) * (G * kStep));
+    if (taken > 0) {
+      EXPECT_EQ(parts_of * G, taken);
+    } else {
+      EXPECT_EQ(parts_of, -1) << "no step without a whole step in every part";
+    }
+    for (Index item = 0; item < count; ++item) EXPECT_EQ(seen[item], item < taken ? 1 : 0);
+  }
+}
+
+TEST(RowsProduct, PartsTakeEveryItemOfTheirWholeStepsOnceInOrder) {
+  check_for_parts<1, 1>();
+  check_for_parts<2, 1>();
+  check_for_parts<3, 1>();
+  check_for_parts<6, 1>();
+  check_for_parts<1, 4>();
+  check_for_parts<3, 4>();
+}
+
+// with_streams<kMost>: one call, with G = streams, for 2 <= streams <= kMost; none otherwise.
+TEST(RowsProduct, StreamCountsReachTheirCompiledTileOrNothing) {
+  constexpr int kMost = 5;
+  for (int streams = 0; streams <= kMost + 2; ++streams) {
+    std::vector<int> calls;
+    moh::detail::with_streams<kMost>(streams, [&](auto g) { calls.push_back(decltype(g)::value); });
+    if (streams >= 2 && streams <= kMost) {
+      EXPECT_EQ(calls, std::vector<int>{streams});
+    } else {
+      EXPECT_TRUE(calls.empty()) << streams;
+    }
+  }
+}
+
 }  // namespace
 
 namespace {

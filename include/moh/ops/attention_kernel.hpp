@@ -336,16 +336,17 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
       scaled_sums_of_sixteen<T>(acc, scale, S + c);
     }
   }
-  // Keys c + s part + i + j (part s < KS, step i, key j < KB of the step) in whole steps; the
-  // keys left over one by one below.
-  const Index part = (nk - c) / (KS * KB) * KB;
-  for (Index i = 0; i < part; i += KB) {
+  // Keys c + s part + i + j (part s < KS, step i, key j < KB of the step) in whole steps
+  // (for_parts()); the keys left over one by one below. A part asks for its own keys ahead (the
+  // last part also for those left over), never for the next part's, which were read already.
+  const Index taken = for_parts<KS, KB>(nk - c, [&](Index i, Index part) {
     const Src* kc = k + (c + i) * k_stride;  // part s's keys at kc + s * part * k_stride
     if (prefetch)
-      for (int s = 0; s < KS; ++s)
+      for (int s = 0; s < KS; ++s) {
+        const Index last = s + 1 < KS ? c + (s + 1) * part - 1 : nk - 1;
         for (int j = 0; j < KB; ++j)
-          prefetch_bytes(k + std::min(c + s * part + i + j + ahead, nk - 1) * k_stride,
-                         row_bytes);
+          prefetch_bytes(k + std::min(c + s * part + i + j + ahead, last) * k_stride, row_bytes);
+      }
     P acc[NQ][KS * KB];
     MOH_DETAIL_UNROLL_REGISTERS
     for (int r = 0; r < NQ; ++r) {
@@ -382,9 +383,8 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
       for (int s = 0; s < KS; ++s)
         for (int j = 0; j < KB; ++j)
           S[r * ld + c + s * part + i + j] = scale * sums[(r * KS + s) * KB + j];
-  }
-  c += KS * part;
-  for (; c < nk; ++c)
+  });
+  for (c += taken; c < nk; ++c)
     for (int r = 0; r < NQ; ++r) {
       P acc = Eigen::internal::pset1<P>(T(0));
       for (Index x = 0; x < d; x += L)

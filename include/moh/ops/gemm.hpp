@@ -607,6 +607,32 @@ EIGEN_ALWAYS_INLINE void for_row_pairs(Index n, Fn&& fn) {
   if (r < n) fn(r, std::integral_constant<int, 1>{});
 }
 
+/// Reads `count` items (rows of W, keys) in G parts side by side: part g is items [g part,
+/// (g + 1) part) for part = count / (G kStep) kStep, and step(i, part) is called for i = 0,
+/// kStep, 2 kStep, ... below part, to take items i .. i + kStep - 1 of every part, so that each
+/// part is read from its first item to its last (one stream in memory per part; G neighbouring
+/// items per step instead would start G new streams every step). Returns the items taken, G
+/// part; the rest, fewer than G kStep, are the caller's.
+template <int G, Index kStep = 1, class Step>
+EIGEN_ALWAYS_INLINE Index for_parts(Index count, Step&& step) {
+  static_assert(G >= 1 && kStep >= 1, "at least one part of whole steps");
+  const Index part = count / (G * kStep) * kStep;
+  for (Index i = 0; i < part; i += kStep) step(i, part);
+  return G * part;
+}
+
+/// Calls fn(std::integral_constant<int, G>{}) for G = streams if 2 <= streams <= kMost (each G
+/// compiled, from kMost down); nothing otherwise.
+template <int kMost, class Fn>
+EIGEN_ALWAYS_INLINE void with_streams(int streams, Fn&& fn) {
+  if constexpr (kMost >= 2) {
+    if (streams == kMost)
+      fn(std::integral_constant<int, kMost>{});
+    else
+      with_streams<kMost - 1>(streams, fn);
+  }
+}
+
 /// Whether rows_product_long() widens bfloat16 rows of W two packets per load (float; AVX-512,
 /// or AVX2): one full-width load of 2 L bfloat16 holds, in each 32-bit lane i, the elements 2i
 /// (low half) and 2i + 1 (high half), so one shift gives the even elements as floats and one
@@ -910,31 +936,28 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
                        accumulate);
 }
 
-/// C[g part + t] (+)= A . W[g part + t, :] for g < G and t < part = count / G: one row of A
-/// against long rows of W in G parts side by side, part g's t-th row in step t with the other
-/// parts' (rows_product_long() with W's row stride times the part, and C's elements as far
-/// apart), so that each of the G streams reads its part from first byte to last, one sequence
-/// of addresses across all steps (as the short rows' parts, short_rows_step(), and the scores'
-/// parts of a block's keys). With G neighbouring rows per step instead, every step started G
-/// new streams. The rows left over, fewer than G, are the caller's. Each element has the bits
-/// it has in any tile. Standalone on Zen 3 (one row of A against 4096 x 4096 weights from
-/// memory, 128 MB, medians of 15, six alternating runs, session 23): bfloat16 18.5-20.4 ->
-/// 20.3-23.1 GB/s (6 parts), float 23.7-25.5 -> 24.7-25.8 (3 parts); the LLaMA3-8B step's
-/// projections, parts and tiles alternating in one process, 0.90-0.92x the time in bfloat16 and
-/// 0.97-0.98x in float. Only where kLongRowParts: AVX-512 keeps its neighbouring rows (measured
-/// so on Zen 4, not in parts).
+/// C[g part + t] (+)= A . W[g part + t, :] for g < G and t < part = count / G: one row of A against
+/// long rows of W in G parts side by side (for_parts()), part g's t-th row in step t with the other
+/// parts' (rows_product_long() with W's row stride times the part, and C's elements as far apart),
+/// as the short rows' parts (short_rows_step()) and the scores' parts of a block's keys. Returns
+/// the rows done; the rows left over, fewer than G, are the caller's. Each element has the bits it
+/// has in any tile. Standalone on Zen 3 (one row of A against 4096 x 4096 weights from memory, 128
+/// MB, medians of 15, six alternating runs, session 23): bfloat16 18.5-20.4 -> 20.3-23.1 GB/s (6
+/// parts), float 23.7-25.5 -> 24.7-25.8 (3 parts); the LLaMA3-8B step's projections, parts and
+/// tiles alternating in one process, 0.90-0.92x the time in bfloat16 and 0.97-0.98x in float. Only
+/// where kLongRowParts: AVX-512 keeps its neighbouring rows (measured so on Zen 4, not in parts).
 #if defined(EIGEN_VECTORIZE_AVX512)
 constexpr bool kLongRowParts = false;
 #else
 constexpr bool kLongRowParts = true;
 #endif
 template <class T, int G, class Src, bool kEvenOdd>
-void rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, Index count, Index K,
-                             T* C, bool accumulate, const T* Ap, Index ldap) {
-  const Index part = count / G;
-  for (Index t = 0; t < part; ++t)
+Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, Index count, Index K,
+                              T* C, bool accumulate, const T* Ap, Index ldap) {
+  return for_parts<G>(count, [&](Index t, Index part) {
     rows_product_long<T, G, 1, Src, kEvenOdd>(A, lda, W + t * ldw, part * ldw, K, C + t, 0,
                                               accumulate, Ap, ldap, part);
+  });
 }
 
 /// rows_product() over long rows of W: one row of A reads W in `streams` parts side by side
@@ -973,27 +996,15 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
     }
     tiles(std::integral_constant<int, long_row_tile<T, Src>()>{});
   } else if (n == 1) {
-    const int streams = std::min(weight_streams(), kMost);
     // `streams` parts (or tiles of neighbouring rows), compiled only up to kMost (more would
     // not fit the registers).
-    const auto side_by_side = [&](auto g_tile) {
-      constexpr int G = decltype(g_tile)::value;
-      if constexpr (G <= kMost) {
-        if (streams != G) return;
-        if constexpr (kLongRowParts) {
-          rows_product_long_parts<T, G, Src, kEvenOdd>(A, lda, W + j * ldw, ldw, count - j, K,
-                                                       C + j, accumulate, Ap, ldap);
-          j += (count - j) / G * G;
-        } else {
-          tiles(g_tile);
-        }
-      }
-    };
-    side_by_side(std::integral_constant<int, 6>{});
-    side_by_side(std::integral_constant<int, 5>{});
-    side_by_side(std::integral_constant<int, 4>{});
-    side_by_side(std::integral_constant<int, 3>{});
-    side_by_side(std::integral_constant<int, 2>{});
+    with_streams<kMost>(std::min(weight_streams(), kMost), [&](auto g_tile) {
+      if constexpr (kLongRowParts)
+        j += rows_product_long_parts<T, decltype(g_tile)::value, Src, kEvenOdd>(
+            A, lda, W + j * ldw, ldw, count - j, K, C + j, accumulate, Ap, ldap);
+      else
+        tiles(g_tile);
+    });
   }
   tiles(std::integral_constant<int, 1>{});
 }
@@ -1048,22 +1059,24 @@ template <class T, class Src>
 void rows_product_short_rows(const T* A, Index lda, Index n, const Src* W, Index ldw,
                              Index count, Index K, T* C, Index ldc, bool accumulate) {
   Index done = 0;  // rows read in parts
-  // Rows [done, done + S part) as S parts of `part` rows side by side.
-  const auto in_parts = [&](auto parts, Index part) {
+  // Rows from `done` on as S parts side by side (for_parts()).
+  const auto in_parts = [&](auto parts) {
     constexpr int S = decltype(parts)::value;
-    for (Index j = done; j < done + part; ++j)
+    const Src* w = W + done * ldw;
+    T* c = C + done;
+    done += for_parts<S>(count - done, [&](Index j, Index part) {
       for_row_pairs(n, [&](Index r, auto ra) {
-        short_rows_step<T, S, decltype(ra)::value>(A + r * lda, lda, W, ldw, j, part, K,
-                                                   C + r * ldc, ldc, accumulate);
+        short_rows_step<T, S, decltype(ra)::value>(A + r * lda, lda, w, ldw, j, part, K,
+                                                   c + r * ldc, ldc, accumulate);
       });
-    done += S * part;
+    });
   };
   const int streams = weight_streams();
   if (streams >= kShortStreams)
-    in_parts(std::integral_constant<int, kShortStreams>{}, count / kShortStreams);
+    in_parts(std::integral_constant<int, kShortStreams>{});
   else if (streams >= 2)
-    in_parts(std::integral_constant<int, 2>{}, count / 2);
-  if (done < count) in_parts(std::integral_constant<int, 1>{}, count - done);
+    in_parts(std::integral_constant<int, 2>{});
+  in_parts(std::integral_constant<int, 1>{});
 }
 
 /// C[n, count] (+)= A[n, K] W[count, K]^T (a decode step's rows, a tile of a decode call's; any n
