@@ -182,6 +182,26 @@ EIGEN_ALWAYS_INLINE void prefetch_lines([[maybe_unused]] const void* p,
   (__builtin_prefetch(static_cast<const char*>(p) + Lines * 64), ...);
 #endif
 }
+/// For one step of kStep elements at element k of G rows of Src (at ldw): asks for the lines
+/// kAhead elements further on in each row, so that every line of the rows is asked for once
+/// over the steps (kStep elements of 64 bytes or more: that many lines per row each step; fewer:
+/// one line per row every 64 bytes' worth of steps, k counted from a row's start). A hint: the
+/// lines past the last row are asked for too (the address is formed as an integer, never as a
+/// pointer past the rows, and a prefetch does not fault).
+template <class Src, int G, Index kStep, Index kAhead>
+EIGEN_ALWAYS_INLINE void ask_rows_ahead(const Src* W, Index ldw, Index k) {
+  constexpr Index kBytes = kStep * Index(sizeof(Src));
+  static_assert(kBytes % 64 == 0 || 64 % kBytes == 0, "whole lines or whole parts of one");
+  if constexpr (kBytes < 64) {
+    if ((k * Index(sizeof(Src))) % 64 != 0) return;
+  }
+  for (int g = 0; g < G; ++g) {
+    const std::uintptr_t at = reinterpret_cast<std::uintptr_t>(W + g * ldw + k) +
+                              static_cast<std::uintptr_t>(kAhead) * sizeof(Src);
+    prefetch_lines(reinterpret_cast<const void*>(at),
+                   std::make_integer_sequence<Index, std::max<Index>(1, kBytes / 64)>{});
+  }
+}
 
 template <class T>
 inline T load_scalar(const T* p) {
@@ -769,7 +789,7 @@ inline void even_odd_rows(const float* A, Index lda, Index n, Index K, float* Ap
 /// rows at lda) over k < `whole` (a multiple of L C), put back into the plain loop's C chains
 /// acc[g][r][c] (which start at zero): lane t of chain 2q is the even accumulator's lane t / 2
 /// (t even) or the odd one's (t odd), chain 2q + 1 the same from their lanes L / 2 and up.
-template <int G, int RA, int C>
+template <int G, int RA, int C, Index kAhead = 0>
 EIGEN_ALWAYS_INLINE void even_odd_chains(const float* Ap, Index lda, const std::uint16_t* W,
                                          Index ldw, Index whole,
                                          GemmPacket<float> (&acc)[G][RA][C]) {
@@ -780,7 +800,8 @@ EIGEN_ALWAYS_INLINE void even_odd_chains(const float* Ap, Index lda, const std::
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < RA; ++r)
       for (int q = 0; q < kPairs; ++q) ev[g][r][q] = od[g][r][q] = Eigen::internal::pset1<P>(0.f);
-  for (Index k = 0; k < whole; k += L * C)
+  for (Index k = 0; k < whole; k += L * C) {
+    if constexpr (kAhead > 0) ask_rows_ahead<std::uint16_t, G, L * C, kAhead>(W, ldw, k);
     for (int q = 0; q < kPairs; ++q) {
       P ae[RA], ao[RA];
       for (int r = 0; r < RA; ++r) {
@@ -796,6 +817,7 @@ EIGEN_ALWAYS_INLINE void even_odd_chains(const float* Ap, Index lda, const std::
         }
       }
     }
+  }
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < RA; ++r)
       for (int q = 0; q < kPairs; ++q)
@@ -832,7 +854,9 @@ EIGEN_ALWAYS_INLINE void finish_chains(GemmPacket<T> (&a)[C], const T* A, const 
 /// kEvenOdd (even_odd_widening() only): the whole steps of the chains' packets come from
 /// even_odd_chains() over `Ap`, A's rows laid out by even_odd_rows() (rows at ldap): the same
 /// bits. C[r, jj] is at C[r * ldc + jj * c_step] (c_step: see rows_product_long_parts()).
-template <class T, int G, int RA, class Src, bool kEvenOdd = false>
+/// kAhead > 0: each step also asks for the lines kAhead elements further on in each row of W
+/// (ask_rows_ahead(); a hint).
+template <class T, int G, int RA, class Src, bool kEvenOdd = false, Index kAhead = 0>
 EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, Index ldw, Index K,
                                            T* C, Index ldc, bool accumulate,
                                            [[maybe_unused]] const T* Ap,
@@ -858,11 +882,13 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
 #if defined(EIGEN_VECTORIZE_AVX2)
   if constexpr (kEvenOdd) {
     k = whole / kStep * kStep;
-    even_odd_chains<G, RA>(Ap, ldap, W, ldw, k, acc);
+    even_odd_chains<G, RA, kChains, kAhead>(Ap, ldap, W, ldw, k, acc);
   }
 #endif
-  for (; k + kStep <= whole; k += kStep)
+  for (; k + kStep <= whole; k += kStep) {
+    if constexpr (kAhead > 0) ask_rows_ahead<Src, G, kStep, kAhead>(W, ldw, k);
     for (int c = 0; c < kChains; ++c) chain(k + c * L, c);
+  }
   // The last whole packets, fewer than kChains; c stays a constant of the unrolled loop (an
   // index known only at run time would keep the accumulators in memory).
   for (int c = 0; c < kChains; ++c)
@@ -946,17 +972,30 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
 /// parts), float 23.7-25.5 -> 24.7-25.8 (3 parts); the LLaMA3-8B step's projections, parts and
 /// tiles alternating in one process, 0.90-0.92x the time in bfloat16 and 0.97-0.98x in float. Only
 /// where kLongRowParts: AVX-512 keeps its neighbouring rows (measured so on Zen 4, not in parts).
+/// Parts of bfloat16 rows also ask for their rows ahead of what they read (long_row_ahead()).
 #if defined(EIGEN_VECTORIZE_AVX512)
 constexpr bool kLongRowParts = false;
 #else
 constexpr bool kLongRowParts = true;
 #endif
+/// Elements of a long row of Src that rows_product_long_parts() asks for ahead of its reads
+/// (ask_rows_ahead()): 192 of bfloat16 (384 bytes), none of float. On Zen 3 (session 24: the
+/// LLaMA3-8B step's projections, one row of A against W_qkv and W_o with 32 MB read between,
+/// 40 steps with and 40 without alternating in one process, medians) bfloat16 took 0.95-0.98x
+/// the time over 8 runs (64 elements 0.97-1.02x, 128-384 0.97-0.99x, 512 1.00x), while every
+/// distance from 64 to 512 made float slower (0.99-1.03x at 64 and 128, 1.06-1.13x from 192).
+/// The short rows' parts (96 heads' W_o slices of 4096 x 128) gained nothing at 64-512 elements
+/// (bfloat16 1.01-1.03x, float 1.00-1.16x).
+template <class Src>
+constexpr Index long_row_ahead() {
+  return std::is_same<Src, std::uint16_t>::value ? 192 : 0;
+}
 template <class T, int G, class Src, bool kEvenOdd>
 Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, Index count, Index K,
                               T* C, bool accumulate, const T* Ap, Index ldap) {
   return for_parts<G>(count, [&](Index t, Index part) {
-    rows_product_long<T, G, 1, Src, kEvenOdd>(A, lda, W + t * ldw, part * ldw, K, C + t, 0,
-                                              accumulate, Ap, ldap, part);
+    rows_product_long<T, G, 1, Src, kEvenOdd, long_row_ahead<Src>()>(
+        A, lda, W + t * ldw, part * ldw, K, C + t, 0, accumulate, Ap, ldap, part);
   });
 }
 
