@@ -13,9 +13,12 @@
 #error "<moh/moh.hpp> includes POSIX file headers"
 #endif
 
-// The kernels' loop hint (ops/detail/unroll_begin.hpp) stays inside their headers.
+// The kernels' hints (ops/detail/unroll_begin.hpp) stay inside their headers.
 #ifdef MOH_DETAIL_UNROLL_REGISTERS
 #error "<moh/moh.hpp> leaves MOH_DETAIL_UNROLL_REGISTERS defined"
+#endif
+#ifdef MOH_DETAIL_INLINE_LAMBDA
+#error "<moh/moh.hpp> leaves MOH_DETAIL_INLINE_LAMBDA defined"
 #endif
 
 #include "moh/io.hpp"

@@ -338,14 +338,17 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   }
   // Keys c + s part + i + j (part s < KS, step i, key j < KB of the step) in whole steps
   // (for_parts()); the keys left over one by one below. A part asks for its own keys ahead (the
-  // last part also for those left over), never for the next part's, which were read already.
-  const Index taken = for_parts<KS, KB>(nk - c, [&](Index i, Index part) {
+  // last part also for those left over), never for the next part's, which were read already,
+  // and for none past them.
+  const Index taken = for_parts<KS, KB>(nk - c, [&](Index i, Index part) MOH_DETAIL_INLINE_LAMBDA {
     const Src* kc = k + (c + i) * k_stride;  // part s's keys at kc + s * part * k_stride
     if (prefetch)
       for (int s = 0; s < KS; ++s) {
         const Index last = s + 1 < KS ? c + (s + 1) * part - 1 : nk - 1;
-        for (int j = 0; j < KB; ++j)
-          prefetch_bytes(k + std::min(c + s * part + i + j + ahead, last) * k_stride, row_bytes);
+        for (int j = 0; j < KB; ++j) {
+          const Index key = c + s * part + i + j + ahead;
+          if (key <= last) prefetch_bytes(k + key * k_stride, row_bytes);
+        }
       }
     P acc[NQ][KS * KB];
     MOH_DETAIL_UNROLL_REGISTERS

@@ -182,25 +182,34 @@ EIGEN_ALWAYS_INLINE void prefetch_lines([[maybe_unused]] const void* p,
   (__builtin_prefetch(static_cast<const char*>(p) + Lines * 64), ...);
 #endif
 }
+/// prefetch_lines() at the address `at`, given as an integer: the lines at + 64 i are formed as
+/// integers too, so none is a pointer past an array.
+template <Index... Lines>
+EIGEN_ALWAYS_INLINE void prefetch_lines_at([[maybe_unused]] std::uintptr_t at,
+                                           std::integer_sequence<Index, Lines...>) {
+#if defined(__GNUC__)
+  (__builtin_prefetch(reinterpret_cast<const void*>(at + static_cast<std::uintptr_t>(Lines * 64))),
+   ...);
+#endif
+}
 /// For one step of kStep elements at element k of G rows of Src (at ldw): asks for the lines
-/// kAhead elements further on in each row, so that every line of the rows is asked for once
-/// over the steps (kStep elements of 64 bytes or more: that many lines per row each step; fewer:
-/// one line per row every 64 bytes' worth of steps, k counted from a row's start). A hint: the
-/// lines past the last row are asked for too (the address is formed as an integer, never as a
-/// pointer past the rows, and a prefetch does not fault).
+/// kAhead elements further on in each row, so that every line of a row from its element kAhead
+/// on is asked for once over the steps (a step of 64 bytes or more: kStep sizeof(Src) / 64 lines
+/// per row; a shorter one: one line per row every 64 bytes' worth of steps, k counted from a
+/// row's start). A hint: the lines past the last row are asked for too (their addresses are
+/// formed as integers, never as pointers past the rows, and a prefetch does not fault).
 template <class Src, int G, Index kStep, Index kAhead>
 EIGEN_ALWAYS_INLINE void ask_rows_ahead(const Src* W, Index ldw, Index k) {
   constexpr Index kBytes = kStep * Index(sizeof(Src));
+  static_assert(kAhead > 0, "something ahead to ask for");
   static_assert(kBytes % 64 == 0 || 64 % kBytes == 0, "whole lines or whole parts of one");
   if constexpr (kBytes < 64) {
     if ((k * Index(sizeof(Src))) % 64 != 0) return;
   }
-  for (int g = 0; g < G; ++g) {
-    const std::uintptr_t at = reinterpret_cast<std::uintptr_t>(W + g * ldw + k) +
-                              static_cast<std::uintptr_t>(kAhead) * sizeof(Src);
-    prefetch_lines(reinterpret_cast<const void*>(at),
-                   std::make_integer_sequence<Index, std::max<Index>(1, kBytes / 64)>{});
-  }
+  for (int g = 0; g < G; ++g)
+    prefetch_lines_at(reinterpret_cast<std::uintptr_t>(W + g * ldw + k) +
+                          static_cast<std::uintptr_t>(kAhead) * sizeof(Src),
+                      std::make_integer_sequence<Index, std::max<Index>(1, kBytes / 64)>{});
 }
 
 template <class T>
@@ -632,7 +641,8 @@ EIGEN_ALWAYS_INLINE void for_row_pairs(Index n, Fn&& fn) {
 /// kStep, 2 kStep, ... below part, to take items i .. i + kStep - 1 of every part, so that each
 /// part is read from its first item to its last (one stream in memory per part; G neighbouring
 /// items per step instead would start G new streams every step). Returns the items taken, G
-/// part; the rest, fewer than G kStep, are the caller's.
+/// part; the rest, fewer than G kStep, are the caller's. Kernels mark their steps
+/// MOH_DETAIL_INLINE_LAMBDA, so that each step is compiled into the loop.
 template <int G, Index kStep = 1, class Step>
 EIGEN_ALWAYS_INLINE Index for_parts(Index count, Step&& step) {
   static_assert(G >= 1 && kStep >= 1, "at least one part of whole steps");
@@ -644,7 +654,7 @@ EIGEN_ALWAYS_INLINE Index for_parts(Index count, Step&& step) {
 /// Calls fn(std::integral_constant<int, G>{}) for G = streams if 2 <= streams <= kMost (each G
 /// compiled, from kMost down); nothing otherwise.
 template <int kMost, class Fn>
-EIGEN_ALWAYS_INLINE void with_streams(int streams, Fn&& fn) {
+EIGEN_ALWAYS_INLINE void with_streams([[maybe_unused]] int streams, [[maybe_unused]] Fn&& fn) {
   if constexpr (kMost >= 2) {
     if (streams == kMost)
       fn(std::integral_constant<int, kMost>{});
@@ -854,8 +864,7 @@ EIGEN_ALWAYS_INLINE void finish_chains(GemmPacket<T> (&a)[C], const T* A, const 
 /// kEvenOdd (even_odd_widening() only): the whole steps of the chains' packets come from
 /// even_odd_chains() over `Ap`, A's rows laid out by even_odd_rows() (rows at ldap): the same
 /// bits. C[r, jj] is at C[r * ldc + jj * c_step] (c_step: see rows_product_long_parts()).
-/// kAhead > 0: each step also asks for the lines kAhead elements further on in each row of W
-/// (ask_rows_ahead(); a hint).
+/// kAhead > 0: the steps also ask for W's rows kAhead elements ahead (ask_rows_ahead(); a hint).
 template <class T, int G, int RA, class Src, bool kEvenOdd = false, Index kAhead = 0>
 EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, Index ldw, Index K,
                                            T* C, Index ldc, bool accumulate,
@@ -962,6 +971,27 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
                        accumulate);
 }
 
+/// Whether one row of A reads long rows of W in parts (rows_product_long_parts()): not where
+/// AVX-512 is on, which keeps its neighbouring rows (measured so on Zen 4, not in parts).
+#if defined(EIGEN_VECTORIZE_AVX512)
+constexpr bool kLongRowParts = false;
+#else
+constexpr bool kLongRowParts = true;
+#endif
+
+/// Elements of a long row of Src that rows_product_long_parts() asks for ahead of its reads
+/// (ask_rows_ahead()): 192 of bfloat16 (384 bytes), none of float. Measured on Zen 3 only
+/// (session 24: the LLaMA3-8B step's projections, one row of A against W_qkv and W_o with 32 MB
+/// read between, 40 steps with and 40 without alternating in one process, medians): at 192
+/// elements bfloat16 took 0.95-0.98x the time over 8 runs; over 2 runs each, 64 elements
+/// 0.97-1.02x, 128-384 0.97-0.99x, 512 1.00x. No distance from 64 to 512 made float faster
+/// (0.99-1.03x at 64 and 128, 1.06-1.13x from 192), and the short rows' parts (96 heads' W_o
+/// slices of 4096 x 128) gained nothing at 64-512 (bfloat16 1.01-1.03x, float 1.00-1.16x).
+template <class Src>
+constexpr Index long_row_ahead() {
+  return std::is_same<Src, std::uint16_t>::value ? 192 : 0;
+}
+
 /// C[g part + t] (+)= A . W[g part + t, :] for g < G and t < part = count / G: one row of A against
 /// long rows of W in G parts side by side (for_parts()), part g's t-th row in step t with the other
 /// parts' (rows_product_long() with W's row stride times the part, and C's elements as far apart),
@@ -970,30 +1000,12 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
 /// has in any tile. Standalone on Zen 3 (one row of A against 4096 x 4096 weights from memory, 128
 /// MB, medians of 15, six alternating runs, session 23): bfloat16 18.5-20.4 -> 20.3-23.1 GB/s (6
 /// parts), float 23.7-25.5 -> 24.7-25.8 (3 parts); the LLaMA3-8B step's projections, parts and
-/// tiles alternating in one process, 0.90-0.92x the time in bfloat16 and 0.97-0.98x in float. Only
-/// where kLongRowParts: AVX-512 keeps its neighbouring rows (measured so on Zen 4, not in parts).
+/// tiles alternating in one process, 0.90-0.92x the time in bfloat16 and 0.97-0.98x in float.
 /// Parts of bfloat16 rows also ask for their rows ahead of what they read (long_row_ahead()).
-#if defined(EIGEN_VECTORIZE_AVX512)
-constexpr bool kLongRowParts = false;
-#else
-constexpr bool kLongRowParts = true;
-#endif
-/// Elements of a long row of Src that rows_product_long_parts() asks for ahead of its reads
-/// (ask_rows_ahead()): 192 of bfloat16 (384 bytes), none of float. On Zen 3 (session 24: the
-/// LLaMA3-8B step's projections, one row of A against W_qkv and W_o with 32 MB read between,
-/// 40 steps with and 40 without alternating in one process, medians) bfloat16 took 0.95-0.98x
-/// the time over 8 runs (64 elements 0.97-1.02x, 128-384 0.97-0.99x, 512 1.00x), while every
-/// distance from 64 to 512 made float slower (0.99-1.03x at 64 and 128, 1.06-1.13x from 192).
-/// The short rows' parts (96 heads' W_o slices of 4096 x 128) gained nothing at 64-512 elements
-/// (bfloat16 1.01-1.03x, float 1.00-1.16x).
-template <class Src>
-constexpr Index long_row_ahead() {
-  return std::is_same<Src, std::uint16_t>::value ? 192 : 0;
-}
 template <class T, int G, class Src, bool kEvenOdd>
 Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, Index count, Index K,
                               T* C, bool accumulate, const T* Ap, Index ldap) {
-  return for_parts<G>(count, [&](Index t, Index part) {
+  return for_parts<G>(count, [&](Index t, Index part) MOH_DETAIL_INLINE_LAMBDA {
     rows_product_long<T, G, 1, Src, kEvenOdd, long_row_ahead<Src>()>(
         A, lda, W + t * ldw, part * ldw, K, C + t, 0, accumulate, Ap, ldap, part);
   });
@@ -1035,8 +1047,8 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
     }
     tiles(std::integral_constant<int, long_row_tile<T, Src>()>{});
   } else if (n == 1) {
-    // `streams` parts (or tiles of neighbouring rows), compiled only up to kMost (more would
-    // not fit the registers).
+    // weight_streams() parts (or tiles of neighbouring rows), compiled only up to kMost (more
+    // would not fit the registers).
     with_streams<kMost>(std::min(weight_streams(), kMost), [&](auto g_tile) {
       if constexpr (kLongRowParts)
         j += rows_product_long_parts<T, decltype(g_tile)::value, Src, kEvenOdd>(
@@ -1098,15 +1110,14 @@ template <class T, class Src>
 void rows_product_short_rows(const T* A, Index lda, Index n, const Src* W, Index ldw,
                              Index count, Index K, T* C, Index ldc, bool accumulate) {
   Index done = 0;  // rows read in parts
-  // Rows from `done` on as S parts side by side (for_parts()).
+  // Rows from `done` on as S parts side by side (for_parts()): row first + j + s part.
   const auto in_parts = [&](auto parts) {
     constexpr int S = decltype(parts)::value;
-    const Src* w = W + done * ldw;
-    T* c = C + done;
-    done += for_parts<S>(count - done, [&](Index j, Index part) {
+    const Index first = done;
+    done += for_parts<S>(count - first, [&](Index j, Index part) MOH_DETAIL_INLINE_LAMBDA {
       for_row_pairs(n, [&](Index r, auto ra) {
-        short_rows_step<T, S, decltype(ra)::value>(A + r * lda, lda, w, ldw, j, part, K,
-                                                   c + r * ldc, ldc, accumulate);
+        short_rows_step<T, S, decltype(ra)::value>(A + r * lda, lda, W, ldw, first + j, part, K,
+                                                   C + r * ldc, ldc, accumulate);
       });
     });
   };

@@ -1,14 +1,24 @@
-// Opens a kernel header's use of MOH_DETAIL_UNROLL_REGISTERS; detail/unroll_end.hpp closes it,
-// so that the macro never reaches code that includes moh. No include guard: each kernel header
-// includes the pair around its own code, after its own includes.
+// Opens a kernel header's use of MOH_DETAIL_UNROLL_REGISTERS and MOH_DETAIL_INLINE_LAMBDA;
+// detail/unroll_end.hpp closes it, so that the macros never reach code that includes moh. No
+// include guard: each kernel header includes the pair around its own code, after its own
+// includes.
 //
-// Put the macro before each loop over the register arrays of a kernel (their initialisation, use
-// and store): GCC 12 unrolls such loops only after it has placed the arrays in memory, and then
-// stored the bfloat16 weighted-value panel's 16 accumulators (attention_kernel.hpp) to the stack
-// on every key. Unrolled from the start, the arrays become registers. Other compilers need no
-// hint.
+// Put MOH_DETAIL_UNROLL_REGISTERS before each loop over the register arrays of a kernel (their
+// initialisation, use and store): GCC 12 unrolls such loops only after it has placed the arrays in
+// memory, and then stored the bfloat16 weighted-value panel's 16 accumulators
+// (attention_kernel.hpp) to the stack on every key. Unrolled from the start, the arrays become
+// registers. Other compilers need no hint.
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8
 #define MOH_DETAIL_UNROLL_REGISTERS _Pragma("GCC unroll 16")
 #else
 #define MOH_DETAIL_UNROLL_REGISTERS
+#endif
+// Put MOH_DETAIL_INLINE_LAMBDA after the parameters of a kernel's step handed to a helper as a
+// lambda (for_parts() in gemm.hpp): GCC 12 compiled the step of 6 parts of bfloat16 rows as a
+// function of its own and kept 11 of its 12 accumulators on the stack there (session 24);
+// inlined, as the loop was before, they stay in registers.
+#if defined(__GNUC__)
+#define MOH_DETAIL_INLINE_LAMBDA __attribute__((always_inline))
+#else
+#define MOH_DETAIL_INLINE_LAMBDA
 #endif
