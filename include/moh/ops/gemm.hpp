@@ -173,17 +173,9 @@ EIGEN_ALWAYS_INLINE void prefetch_bytes([[maybe_unused]] const void* p,
   for (Index o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
 #endif
 }
-/// Asks for the lines (64 bytes each) at p + 64 i for each i of Lines: one instruction each, so
-/// no loop is left in the caller's loop at any optimisation level.
-template <Index... Lines>
-EIGEN_ALWAYS_INLINE void prefetch_lines([[maybe_unused]] const void* p,
-                                        std::integer_sequence<Index, Lines...>) {
-#if defined(__GNUC__)
-  (__builtin_prefetch(static_cast<const char*>(p) + Lines * 64), ...);
-#endif
-}
-/// prefetch_lines() at the address `at`, given as an integer: the lines at + 64 i are formed as
-/// integers too, so none is a pointer past an array.
+/// Asks for the lines (64 bytes each) at the address `at` + 64 i for each i of Lines, `at`
+/// given as an integer, so that no line's address is a pointer past an array: one instruction
+/// each, so no loop is left in the caller's loop at any optimisation level.
 template <Index... Lines>
 EIGEN_ALWAYS_INLINE void prefetch_lines_at([[maybe_unused]] std::uintptr_t at,
                                            std::integer_sequence<Index, Lines...>) {
@@ -191,6 +183,11 @@ EIGEN_ALWAYS_INLINE void prefetch_lines_at([[maybe_unused]] std::uintptr_t at,
   (__builtin_prefetch(reinterpret_cast<const void*>(at + static_cast<std::uintptr_t>(Lines * 64))),
    ...);
 #endif
+}
+/// prefetch_lines_at() from the pointer p.
+template <Index... Lines>
+EIGEN_ALWAYS_INLINE void prefetch_lines(const void* p, std::integer_sequence<Index, Lines...> l) {
+  prefetch_lines_at(reinterpret_cast<std::uintptr_t>(p), l);
 }
 /// For one step of kStep elements at element k of G rows of Src (at ldw): asks for the lines
 /// kAhead elements further on in each row, so that every line of a row from its element kAhead
