@@ -560,7 +560,8 @@ TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
   constexpr Index L = sizeof(moh::detail::GemmPacket<float>) / sizeof(float);
   const moh::KernelTuning saved = moh::kernel_tuning();
   Arena arena;
-  // 1-6 parts of long rows, 2 or 4 of short rows, tiles, and the rows left over after each.
+  // 1-6 parts of long rows, 2-6 of short rows (2-4 with AVX-512), tiles, and the rows left
+  // over after each.
   const Index count = 15;
   // Short rows (a head of 128, the longest short row), then 33 and 130 packets of AVX2 (33
   // leaves a packet over for 2 or 4 chains, 130 two for 4).

@@ -1062,9 +1062,18 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
 /// in memory order. Standalone on Zen 3 (session 21: one row of A against 96 heads' W_o slices
 /// of 4096 x 128, from memory, medians of 11, two runs), one row after another read bfloat16 at
 /// 16.7-17.4 GB/s and float at 22, 2 parts 24.4 and 30, 4 parts 29.7 and 29, 8 parts 28-29 and
-/// 29; 4 or 8 neighbouring rows in step (one stream) 14-18 and 13-15. Fewer where
-/// KernelTuning::weight_streams says so (Zen 5 reads one long row at a time best).
+/// 29; 4 or 8 neighbouring rows in step (one stream) 14-18 and 13-15. Session 25, the step's
+/// own pattern (24 of 32 heads' slices, read from memory, each variant in turn, 150 rounds):
+/// 6 parts took a median 0.87x the time of 4 with bfloat16 (interquartile 0.82-0.90; 5 parts
+/// 0.89x; 8, in a first run not taken in turn, about as fast as 4) and 0.98x with float (0.94-1.04). 6 parts of one chain,
+/// against two rows of A at a time, are 12 accumulators: AVX2's 16 registers still hold them.
+/// AVX-512 keeps 4 (unmeasured with more). Fewer where KernelTuning::weight_streams says so
+/// (Zen 5 reads one long row at a time best).
+#if defined(EIGEN_VECTORIZE_AVX512)
 constexpr int kShortStreams = 4;
+#else
+constexpr int kShortStreams = 6;
+#endif
 
 /// C[r, j + s part] (+)= A[r, :] . W[j + s part, :] for r < RA <= 2 and s < S, W's rows short
 /// (K <= kShortRow): one chain per row over its packets in order, reduced, then its last K % L
@@ -1118,11 +1127,8 @@ void rows_product_short_rows(const T* A, Index lda, Index n, const Src* W, Index
       });
     });
   };
-  const int streams = weight_streams();
-  if (streams >= kShortStreams)
-    in_parts(std::integral_constant<int, kShortStreams>{});
-  else if (streams >= 2)
-    in_parts(std::integral_constant<int, 2>{});
+  static_assert(kShortStreams <= KernelTuning::kMaxWeightStreams, "parts for every setting");
+  with_streams<kShortStreams>(std::min(weight_streams(), kShortStreams), in_parts);
   in_parts(std::integral_constant<int, 1>{});
 }
 

@@ -25,8 +25,8 @@ struct KernelTuning {
   /// Most weight rows of a decode product's long rows (more than 256 elements) that one row of
   /// the input reads side by side, in [1, kMaxWeightStreams]: without AVX-512 each from its own
   /// part of the rows, and at most 3 of float weights (6 of bfloat16 weights on AVX2). Short
-  /// rows (a head's slice of W_o) are read in 4 parts side by side when this is 4 or more, 2
-  /// when 2-3, else one.
+  /// rows (a head's slice of W_o) are read in this many parts side by side, at most 6 (4 with
+  /// AVX-512).
   int weight_streams = 6;
   /// Whether attention of 3 or more queries per key/value head over a float cache (a GQA group's
   /// decode step) prefetches the keys and values ahead of its reads. A bfloat16 cache always is.
@@ -47,7 +47,7 @@ struct KernelTuning {
   /// the defaults above, measured on Zen 4 (sessions 11 and 13) and on Zen 3 (AVX2, so at most
   /// 3 streams of float weights, 6 of bfloat16: one or two made the float LLaMA3-8B step 1.26x
   /// and 1.05x slower; prefetching its float cache undecided, 0.91-1.10x over three runs;
-  /// session 19; short rows in 4 parts, session 21); Intel unmeasured.
+  /// session 19; short rows in 4 parts, session 21, and 6, session 25); Intel unmeasured.
   static KernelTuning for_cpuid(unsigned ebx0, unsigned edx0, unsigned ecx0, unsigned eax1) {
     KernelTuning t;
     // "AuthenticAMD" in ebx, edx, ecx.
