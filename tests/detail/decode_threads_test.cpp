@@ -56,6 +56,14 @@ TEST(DecodeThreads, MoHQueryNormRouter) {
       "moh query-norm");
 }
 
+TEST(DecodeThreads, MoHWideOutput) {
+  // D = 512: on a pool the routed heads' outputs are projected in two column tiles, on the
+  // calling thread alone in one; heads of 64 read in parts with rows left over.
+  expect_decode_independent_of_threads<moh::MoHAttention<float>>(
+      moh_test::moh_config(512, 8, 2, 3, moh::MoHRouterKind::QueryNorm, 2, 64, false, true),
+      "moh D 512");
+}
+
 TEST(DecodeThreads, MoHLearnedRouter) {
   expect_decode_independent_of_threads<moh::MoHAttention<float>>(
       moh_test::moh_config(128, 8, 2, 3, moh::MoHRouterKind::Learned, 0, 16), "moh learned");

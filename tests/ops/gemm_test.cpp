@@ -560,49 +560,52 @@ TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
   constexpr Index L = sizeof(moh::detail::GemmPacket<float>) / sizeof(float);
   const moh::KernelTuning saved = moh::kernel_tuning();
   Arena arena;
-  // 1-6 parts of long rows, 2-6 of short rows (2-4 with AVX-512), tiles, and the rows left
-  // over after each.
-  const Index count = 15;
-  // Short rows (a head of 128, the longest short row), then 33 and 130 packets of AVX2 (33
-  // leaves a packet over for 2 or 4 chains, 130 two for 4).
-  for (Index K : {Index(128), moh::detail::kShortRow, (moh::detail::kShortRow / L + 1) * L,
-                  (1024 / L + 2) * L})
-    for (Index n : {1, 2, 3, 4, 5, 8, 9}) {
-      const Matrix<float> A = moh_test::random_matrix<float>(n, K, 50);
-      const Matrix<float> W = moh_test::random_matrix<float>(count, K, 51);
-      const BFloat16Copy w(W);
-      const Matrix<float> C0 = moh_test::random_matrix<float>(n, count, 52);
-      Matrix<float> want(n, count), want_b(n, count);
-      for (Index r = 0; r < n; ++r)
-        for (Index j = 0; j < count; ++j) {
-          want(r, j) = documented_chains(A.data() + r * K, W.data() + j * K, K);
-          want_b(r, j) = documented_chains(A.data() + r * K, w.bits.data() + j * K, K);
+  // 1-6 parts of long rows, 2-6 of short rows (2-4 with AVX-512), and tiles. 15 rows of W
+  // leave rows over after 2, 4 or 6 parts (none after 3 or 5); 4 rows are fewer than 5 or 6
+  // parts, which then take none.
+  for (const Index count : {Index(4), Index(15)}) {
+    // Short rows (a head of 128, the longest short row), then 33 and 130 packets of AVX2 (33
+    // leaves a packet over for 2 or 4 chains, 130 two for 4).
+    for (Index K : {Index(128), moh::detail::kShortRow, (moh::detail::kShortRow / L + 1) * L,
+                    (1024 / L + 2) * L})
+      for (Index n : {1, 2, 3, 4, 5, 8, 9}) {
+        const Matrix<float> A = moh_test::random_matrix<float>(n, K, 50);
+        const Matrix<float> W = moh_test::random_matrix<float>(count, K, 51);
+        const BFloat16Copy w(W);
+        const Matrix<float> C0 = moh_test::random_matrix<float>(n, count, 52);
+        Matrix<float> want(n, count), want_b(n, count);
+        for (Index r = 0; r < n; ++r)
+          for (Index j = 0; j < count; ++j) {
+            want(r, j) = documented_chains(A.data() + r * K, W.data() + j * K, K);
+            want_b(r, j) = documented_chains(A.data() + r * K, w.bits.data() + j * K, K);
+          }
+        for (int streams = 1; streams <= moh::KernelTuning::kMaxWeightStreams; ++streams) {
+          SCOPED_TRACE(testing::Message() << "count=" << count << " K=" << K << " n=" << n
+                                          << " streams=" << streams);
+          moh::KernelTuning t;
+          t.weight_streams = streams;
+          moh::set_kernel_tuning(t);
+          Matrix<float> C(n, count), Cb(n, count), Ce(n, count);
+          moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, C.data(), count,
+                                           false);
+          moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, Cb.data(),
+                                           count, false);
+          moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, Ce.data(),
+                                           count, false, &arena);
+          EXPECT_TRUE(BitEqual(C, want)) << "float";
+          EXPECT_TRUE(BitEqual(Cb, want_b)) << "bfloat16";
+          EXPECT_TRUE(BitEqual(Ce, want_b)) << "bfloat16 through the arena";
+          // Accumulating: each sum added once to what C held.
+          Matrix<float> Ca = C0, Cab = C0;
+          moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, Ca.data(), count,
+                                           true);
+          moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, Cab.data(),
+                                           count, true, &arena);
+          EXPECT_TRUE(BitEqual(Ca, Matrix<float>(C0 + want))) << "float, accumulating";
+          EXPECT_TRUE(BitEqual(Cab, Matrix<float>(C0 + want_b))) << "bfloat16, accumulating";
         }
-      for (int streams = 1; streams <= moh::KernelTuning::kMaxWeightStreams; ++streams) {
-        SCOPED_TRACE(testing::Message() << "K=" << K << " n=" << n << " streams=" << streams);
-        moh::KernelTuning t;
-        t.weight_streams = streams;
-        moh::set_kernel_tuning(t);
-        Matrix<float> C(n, count), Cb(n, count), Ce(n, count);
-        moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, C.data(), count,
-                                         false);
-        moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, Cb.data(),
-                                         count, false);
-        moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, Ce.data(),
-                                         count, false, &arena);
-        EXPECT_TRUE(BitEqual(C, want)) << "float";
-        EXPECT_TRUE(BitEqual(Cb, want_b)) << "bfloat16";
-        EXPECT_TRUE(BitEqual(Ce, want_b)) << "bfloat16 through the arena";
-        // Accumulating: each sum added once to what C held.
-        Matrix<float> Ca = C0, Cab = C0;
-        moh::detail::rows_product<float>(A.data(), K, n, W.data(), K, count, K, Ca.data(), count,
-                                         true);
-        moh::detail::rows_product<float>(A.data(), K, n, w.bits.data(), K, count, K, Cab.data(),
-                                         count, true, &arena);
-        EXPECT_TRUE(BitEqual(Ca, Matrix<float>(C0 + want))) << "float, accumulating";
-        EXPECT_TRUE(BitEqual(Cab, Matrix<float>(C0 + want_b))) << "bfloat16, accumulating";
       }
-    }
+  }
   moh::set_kernel_tuning(saved);
 }
 
@@ -641,6 +644,8 @@ TEST(RowsProduct, PartsTakeEveryItemOfTheirWholeStepsOnceInOrder) {
   check_for_parts<1, 1>();
   check_for_parts<2, 1>();
   check_for_parts<3, 1>();
+  check_for_parts<4, 1>();
+  check_for_parts<5, 1>();
   check_for_parts<6, 1>();
   check_for_parts<1, 4>();
   check_for_parts<3, 4>();

@@ -254,6 +254,10 @@ constexpr std::size_t kRoutedRowTileWeightBytes = std::size_t(4) << 20;
 // MHA 0.96-0.99 with 128 rows, 0.89 with 512, 0.93 with 1024.
 constexpr std::size_t kRoutedLargeHeadBytes = std::size_t(1) << 20;
 constexpr Index kRoutedLargeRowTile = 512;
+// A one-thread decode step projects every output column in one tile while a head's products
+// (its rows x D_out) take at most this many bytes (half of Zen 3's L2: 16 rows at D = 4096);
+// past it, 4 tiles as before (one-thread batches that large are unmeasured either way).
+constexpr std::size_t kRoutedDecodeRowBytes = std::size_t(256) << 10;
 
 /// Runs the routed heads of `plan`, each a block of `sub_heads` query heads of size d (MoH and
 /// fairseq MoA: 1; a multi-head MoA expert: H_kv):
@@ -420,14 +424,17 @@ void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<
     for (Index h = 0; h < plan.heads; ++h) most = std::max(most, plan.count(h));
     // A decode step's rows: wide tiles, so that each head's weights (one contiguous panel
     // per head, MoHAttention) stream in long runs rather than 128-column pieces; on one thread
-    // one tile of every column, each head's panel one run. MoH-LLaMA3 75%'s step, the two ways
-    // alternating in one process (session 25, Zen 3, 400 pairs, with the short rows' 6 parts):
-    // 0.986x the time of 4 tiles with bfloat16 weights, 0.994x float; 0.988x at D = 1024. No
-    // tile width enters an element's arithmetic.
-    const bool one_thread = exec.pool == nullptr || exec.pool->size() <= 1;
-    const Index tile = !decode     ? kRoutedColumnTile
-                       : one_thread ? D_out
-                                    : linear_tile(D_out, 256, 64);
+    // one tile of every column, each head's panel one run, while a head's products (most x
+    // D_out) fit kRoutedDecodeRowBytes. MoH-LLaMA3 75%'s step, the two ways alternating in one
+    // process (session 25, Zen 3, 400 pairs, with the short rows' 6 parts): 0.986x the time of
+    // 4 tiles with bfloat16 weights, 0.994x float; 0.988x at D = 1024 (batch 1; larger batches
+    // unmeasured). No tile width enters an element's arithmetic.
+    const bool one_tile = (exec.pool == nullptr || exec.pool->size() <= 1) &&
+                          static_cast<std::size_t>(most * D_out) * sizeof(T) <=
+                              kRoutedDecodeRowBytes;
+    const Index tile = !decode  ? kRoutedColumnTile
+                       : one_tile ? std::max<Index>(D_out, 1)
+                                  : linear_tile(D_out, 256, 64);
     parallel_for(exec.pool, blocks_of(D_out, tile), [&](std::int64_t task, int thread) {
       const Index c0 = task * tile, m = std::min(tile, D_out - c0);
       Arena& arena = exec.thread(thread);

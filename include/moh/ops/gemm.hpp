@@ -1063,12 +1063,15 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
 /// of 4096 x 128, from memory, medians of 11, two runs), one row after another read bfloat16 at
 /// 16.7-17.4 GB/s and float at 22, 2 parts 24.4 and 30, 4 parts 29.7 and 29, 8 parts 28-29 and
 /// 29; 4 or 8 neighbouring rows in step (one stream) 14-18 and 13-15. Session 25, the step's
-/// own pattern (24 of 32 heads' slices, read from memory, each variant in turn, 150 rounds):
-/// 6 parts took a median 0.87x the time of 4 with bfloat16 (interquartile 0.82-0.90; 5 parts
-/// 0.89x; 8, in a first run not taken in turn, about as fast as 4) and 0.98x with float (0.94-1.04). 6 parts of one chain,
-/// against two rows of A at a time, are 12 accumulators: AVX2's 16 registers still hold them.
-/// AVX-512 keeps 4 (unmeasured with more). Fewer where KernelTuning::weight_streams says so
-/// (Zen 5 reads one long row at a time best).
+/// own pattern (24 of 32 heads' slices, read from memory, the variants in turn, medians of the
+/// time ratios to 4 parts with their interquartile range): kernels of S parts written for the
+/// test, bfloat16 6 parts 0.87x (0.82-0.90), 5 parts 0.89x, float 6 parts 0.98x (0.94-1.04);
+/// 8 parts, in a first run not taken in turn, about as fast as 4. This function with
+/// weight_streams 6 against 4: bfloat16 0.90x (0.85-0.95), float 0.96x (0.93-1.00), at 1024
+/// rows per call (a decode step on a pool) 0.92x and 0.98x; two rows of A, bfloat16 0.94x,
+/// float 1.03x (0.99-1.07). 6 parts of one chain against two rows of A are 12 accumulators:
+/// AVX2's 16 registers still hold them. AVX-512 keeps 4 (unmeasured with more). Fewer where
+/// KernelTuning::weight_streams says so (Zen 5 reads one long row at a time best).
 #if defined(EIGEN_VECTORIZE_AVX512)
 constexpr int kShortStreams = 4;
 #else
