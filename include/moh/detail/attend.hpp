@@ -429,9 +429,8 @@ void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<
     // process (session 25, Zen 3, 400 pairs, with the short rows' 6 parts): 0.986x the time of
     // 4 tiles with bfloat16 weights, 0.994x float; 0.988x at D = 1024 (batch 1; larger batches
     // unmeasured). No tile width enters an element's arithmetic.
-    const bool one_tile = (exec.pool == nullptr || exec.pool->size() <= 1) &&
-                          static_cast<std::size_t>(most * D_out) * sizeof(T) <=
-                              kRoutedDecodeRowBytes;
+    const std::size_t head_bytes = static_cast<std::size_t>(most * D_out) * sizeof(T);
+    const bool one_tile = !exec.threaded() && head_bytes <= kRoutedDecodeRowBytes;
     const Index tile = !decode  ? kRoutedColumnTile
                        : one_tile ? std::max<Index>(D_out, 1)
                                   : linear_tile(D_out, 256, 64);

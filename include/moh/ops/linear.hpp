@@ -84,8 +84,7 @@ void project_tiles(const ConstRowsRef<T>& X, Operand operand, const T* bias, Row
                                          bias ? bias + c0 : nullptr, Y.block(r0, c0, nr, nc),
                                          exec.thread(thread), exec.dot_rows);
                        },
-                       dot_route(X.rows(), exec.dot_rows) && exec.pool != nullptr &&
-                           exec.pool->size() > 1);
+                       dot_route(X.rows(), exec.dot_rows) && exec.threaded());
 }
 
 /// Y[N, out] = X[N, in] W[out, in]^T as dot products (rows_product(): each element sums in

@@ -256,6 +256,8 @@ struct Exec {
   /// every row the same way whatever their row count, so that each sequence of a batch gets the
   /// bits it gets alone, for any batch size (the route itself is the ops' business: multiply()).
   bool dot_rows = false;
+  /// Whether the call's work is split across more than one thread.
+  bool threaded() const { return pool != nullptr && pool->size() > 1; }
   Arena& call() const { return WorkspaceAccess::call(*ws); }
   Arena& thread(int t) const { return WorkspaceAccess::thread(*ws, t); }
 };
