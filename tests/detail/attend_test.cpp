@@ -1,11 +1,14 @@
 // Tests for moh/detail/attend.hpp's HeadPlan: the two builders (from an activity mask, and from
 // each row's k picked heads) give the same plan, grouped by head with each head's rows ascending,
-// in the arena they were built in.
+// in the arena they were built in. And attend_heads()' decode step in pairs of heads: each head
+// with the bits attention() gives it alone.
 #include "moh/detail/attend.hpp"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -102,6 +105,68 @@ TEST(HeadPlan, NoActivePairIsAnEmptyPlan) {
   plan.build(arena, 4, 2, 3, [](Index, Index) { return false; }, [](Index, Index) { return 1.0f; });
   EXPECT_EQ(plan.pairs, 0);
   for (Index h = 0; h < 4; ++h) EXPECT_EQ(plan.count(h), 0);
+}
+
+// A decode step of one query head per kv head over one-panel heads (attend_head_pairs(): heads
+// 2p and 2p + 1 in one task, their weighted values in one pass, where kPairedValues; one head a
+// task elsewhere) gives each head the bits that attention() gives it alone: an odd head count
+// (the last head alone), sequences of different lengths (a ragged cache; none, one key,
+// hundreds), causal or not, padding keys, a sequence whose keys are all padding (zeros),
+// queries and keys at row strides of every head, on the calling thread and on a pool of 3.
+TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
+  const Index d = moh::detail::value_panel_packets(1) * moh::detail::packet_size<float>();
+  ASSERT_TRUE(moh::detail::paired_values_head<float>(d));
+  const Index batch = 4, heads = 5, keys = 300;
+  const Index lengths[batch] = {300, 1, 0, 137};
+  const Index width = heads * d;  // a row of every head
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> q(static_cast<std::size_t>(batch * width));
+  std::vector<float> k(static_cast<std::size_t>(batch * keys * width));
+  std::vector<float> v(k.size());
+  for (float& x : q) x = u(rng);
+  for (float& x : k) x = u(rng);
+  for (float& x : v) x = u(rng);
+  std::unique_ptr<bool[]> padding(new bool[static_cast<std::size_t>(batch * keys)]);
+  for (Index i = 0; i < batch * keys; ++i) padding[i] = i % 7 == 2 || i / keys == 3;
+  const float scale = 0.125f;
+  for (const bool causal : {false, true})
+    for (const bool padded : {false, true})
+      for (const int threads : {1, 3}) {
+        SCOPED_TRACE(testing::Message() << "causal " << causal << " padding " << padded
+                                        << " threads " << threads);
+        moh::detail::KeyValues<float> kv;
+        kv.k = moh::detail::HeadsView<float>{k.data(), width, keys * width, d};
+        kv.v = moh::detail::HeadsView<float>{v.data(), width, keys * width, d};
+        kv.keys = keys;
+        kv.kv_heads = heads;
+        kv.lengths = lengths;
+        kv.padding = padded ? padding.get() : nullptr;
+        kv.padding_stride = keys;
+        std::vector<float> got(static_cast<std::size_t>(batch * width), 9.0f);
+        moh::ThreadPool pool(threads);
+        moh::Workspace workspace;
+        const moh::detail::WorkspaceLease lease(&workspace, &pool, "test");
+        moh::detail::attend_heads<float>(
+            moh::detail::HeadsView<float>{q.data(), width, width, d}, kv, batch, 1, heads, d,
+            scale, causal, moh::detail::ScoreExtras<float>{}, got.data(), lease.exec());
+        for (Index b = 0; b < batch; ++b)
+          for (Index h = 0; h < heads; ++h) {
+            std::vector<float> want(static_cast<std::size_t>(d), 9.0f);
+            const Index n = lengths[b];
+            moh::attention<float>(
+                moh::AttentionQueries<float>{q.data() + b * width + h * d, width, 1, d, scale,
+                                             {nullptr, 0}},
+                moh::AttentionKeysValues<float>{k.data() + b * keys * width + h * d, width,
+                                                v.data() + b * keys * width + h * d, width, n},
+                moh::AttentionMasking{causal, n - 1, padded ? padding.get() + b * keys : nullptr},
+                moh::AttentionOutput<float>{want.data(), d});
+            EXPECT_EQ(std::memcmp(want.data(), got.data() + b * width + h * d, d * sizeof(float)),
+                      0)
+                << "sequence " << b << " head " << h;
+          }
+        for (Index i = 0; i < width; ++i) EXPECT_EQ(got[2 * width + i], 0.0f) << "no keys";
+      }
 }
 
 }  // namespace

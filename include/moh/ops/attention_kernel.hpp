@@ -733,6 +733,66 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
   }
 }
 
+/// Whether attend_heads() pairs the heads of a decode step (attend_head_pairs()): measured on
+/// Zen 3 only; AVX-512 (its panel is 128 floats) keeps one head at a time, unmeasured paired.
+#ifdef EIGEN_VECTORIZE_AVX512
+constexpr bool kPairedValues = false;
+#else
+constexpr bool kPairedValues = true;
+#endif
+
+/// Whether one query's weighted values over a head of d columns are one panel
+/// (value_panel_packets(1) packets: 64 floats with AVX2, 128 with AVX-512), so that two such
+/// queries over their own values can share a pass (few_query_values_pair()).
+template <class T>
+constexpr bool paired_values_head(Index d) {
+  return tiled_head<T>(d) && d == value_panel_packets(1) * packet_size<T>();
+}
+
+/// a0[0 : d) += sum_c w0[c] v0_c over n0 values (rows at vs0), and a1 the same over its own
+/// n1 values, for heads of one panel (paired_values_head()): both read in one pass while both
+/// have keys left, then the longer alone. Two streams in memory where one query's values are
+/// one: standalone on Zen 3 (128 heads of 4096 x 64 floats from memory, medians of 36, session
+/// 26) 15.7-17.9 GB/s one head at a time, 20.1 two at once. Each element is one chain over its
+/// keys in order from a0 or a1, few_query_values()'s, so are its bits. With AVX2 the two
+/// heads' 16 accumulators and two weights leave GCC a few accumulators on the stack (measured
+/// so, and still the faster).
+template <class T>
+void few_query_values_pair(const T* w0, const T* v0, Index vs0, Index n0, T* a0, const T* w1,
+                           const T* v1, Index vs1, Index n1, T* a1) {
+  using P = GemmPacket<T>;
+  constexpr Index L = packet_size<T>();
+  constexpr int NP = value_panel_packets(1);
+  P acc0[NP], acc1[NP];
+  MOH_DETAIL_UNROLL_REGISTERS
+  for (int j = 0; j < NP; ++j) {
+    acc0[j] = Eigen::internal::ploadu<P>(a0 + j * L);
+    acc1[j] = Eigen::internal::ploadu<P>(a1 + j * L);
+  }
+  const Index both = std::min(n0, n1);
+  for (Index c = 0; c < both; ++c) {
+    const P x0 = Eigen::internal::pset1<P>(w0[c]);
+    const P x1 = Eigen::internal::pset1<P>(w1[c]);
+    MOH_DETAIL_UNROLL_REGISTERS
+    for (int j = 0; j < NP; ++j) {
+      acc0[j] = Eigen::internal::pmadd(x0, Eigen::internal::ploadu<P>(v0 + c * vs0 + j * L),
+                                       acc0[j]);
+      acc1[j] = Eigen::internal::pmadd(x1, Eigen::internal::ploadu<P>(v1 + c * vs1 + j * L),
+                                       acc1[j]);
+    }
+  }
+  MOH_DETAIL_UNROLL_REGISTERS
+  for (int j = 0; j < NP; ++j) {
+    Eigen::internal::pstoreu(a0 + j * L, acc0[j]);
+    Eigen::internal::pstoreu(a1 + j * L, acc1[j]);
+  }
+  // The longer one's last keys, on from where its chain stopped.
+  if (n0 > both)
+    few_query_values_panel<T, 1, NP, T>(w0 + both, 0, v0 + both * vs0, vs0, n0 - both, 0, a0, 0);
+  if (n1 > both)
+    few_query_values_panel<T, 1, NP, T>(w1 + both, 0, v1 + both * vs1, vs1, n1 - both, 0, a1, 0);
+}
+
 /// Calls fn(std::integral_constant<int, n>{}, r0) for chunks of at most 4 of `rows` rows.
 template <class Fn>
 void for_query_chunks(Index rows, Fn&& fn) {
@@ -787,14 +847,33 @@ struct PackedKeys {
   }
 };
 
+/// One query's attend() stopped before its weighted values, for a caller that pairs two such
+/// queries' values in one pass (few_query_values_pair()): the softmax weights of its one block
+/// of keys copied to `w` (the caller's room for `capacity`), the values they weigh, the
+/// softmax sum, and the output row. finish_values() writes what attend() would have.
+template <class T>
+struct DeferredValues {
+  T* w = nullptr;
+  Index capacity = 0;
+  const T* v = nullptr;
+  Index v_stride = 0;
+  Index nk = 0;
+  T sum = 0;
+  T* out = nullptr;
+  bool pending = false;  // set by attend(): the values are the caller's to compute
+};
+
 /// attention() with its tiles from `arena`, and optionally the keys and values laid out once
 /// for many query blocks (`packed`, from PackedKeys::pack with the same scale), an additive bias
-/// and the probabilities to write.
+/// and the probabilities to write. With `defer`, one query of a one-panel head
+/// (paired_values_head()) over keys in T that fit one block, without bias or probabilities,
+/// stops before its weighted values and leaves them in *defer (pending); anything else is
+/// attended whole (not pending).
 template <class T>
 void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv,
             const AttentionMasking& mask, const AttentionOutput<T>& output, Arena& arena,
             const PackedKeys<T>* packed = nullptr, const AttentionBias<T>& bias = {},
-            const AttentionWeights<T>& weights = {}) {
+            const AttentionWeights<T>& weights = {}, DeferredValues<T>* defer = nullptr) {
   const T* q = queries.data;
   const Index q_stride = queries.stride, n_q = queries.count, d = queries.head_dim;
   const T scale = queries.scale;
@@ -849,6 +928,10 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
           : kKeyBlock;
   StridedMap<T> scores_tile(scratch.scores.data(), kQueryBlock * kKeyBlock / key_block, key_block,
                             Eigen::OuterStride<>(key_block));
+  if (defer != nullptr) defer->pending = false;
+  const bool deferring = defer != nullptr && few && !narrow && n_q == 1 && bias.data == nullptr &&
+                         weights.data == nullptr && paired_values_head<T>(d) && S <= key_block &&
+                         S <= defer->capacity;
   // Of one row of a masked block: which keys are hidden.
   bool* hidden = arena.allocate<bool>(key_block);
   for (Index i0 = 0; i0 < n_q; i0 += kQueryBlock) {
@@ -991,6 +1074,11 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
       if (fast) {
         attention_product<T>(s.data(), s.outerStride(), v_block, d, nq, d, nk, acc.data(),
                              acc.outerStride(), true);
+      } else if (deferring) {  // one block (S <= key_block): its weights wait for the caller
+        std::copy(s.data(), s.data() + nk, defer->w);
+        defer->v = blk.v;
+        defer->v_stride = blk.vs;
+        defer->nk = nk;
       } else if (few) {
         for_query_chunks(nq, [&](auto n, Index r0) {
           constexpr int kN = decltype(n)::value;
@@ -1008,6 +1096,12 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
       }
     }
 
+    if (deferring && l[0] > T(0)) {
+      defer->sum = l[0];
+      defer->out = O.row(0).data();
+      defer->pending = true;
+      continue;  // no probabilities (weights.data is null)
+    }
     for (Index r = 0; r < nq; ++r) {
       if (l[r] > T(0)) {
         O.row(r) = acc.row(r) / l[r];
@@ -1031,6 +1125,32 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
         for (Index c = 0; c < nk; ++c) p[c] = s[c] == kNegInf ? T(0) : std::exp(s[c] - m[r]) / l[r];
       }
     }
+  }
+}
+
+/// Writes the outputs of attend()'s pending queries in `d` (of `count`, at most two; others are
+/// skipped): their weighted values from zero, two in one pass (few_query_values_pair()), each
+/// divided by its softmax sum, the bits attend() would have written. `acc`: room for 2 d.
+template <class T>
+void finish_values(DeferredValues<T>* d, int count, Index head_dim, T* acc) {
+  eigen_assert(count <= 2 && "finish_values: at most two queries");
+  DeferredValues<T>* pending[2] = {nullptr, nullptr};
+  int n = 0;
+  for (int i = 0; i < count; ++i)
+    if (d[i].pending) pending[n++] = &d[i];
+  if (n == 0) return;
+  std::fill(acc, acc + 2 * head_dim, T(0));
+  if (n == 2)
+    few_query_values_pair<T>(pending[0]->w, pending[0]->v, pending[0]->v_stride, pending[0]->nk,
+                             acc, pending[1]->w, pending[1]->v, pending[1]->v_stride,
+                             pending[1]->nk, acc + head_dim);
+  else
+    few_query_values<T, 1>(pending[0]->w, 0, pending[0]->v, pending[0]->v_stride, pending[0]->nk,
+                           head_dim, acc, 0);
+  for (int i = 0; i < n; ++i) {
+    using Row = Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>;
+    Row(pending[i]->out, head_dim) = Row(acc + i * head_dim, head_dim) / pending[i]->sum;
+    pending[i]->pending = false;
   }
 }
 
