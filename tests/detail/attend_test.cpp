@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -111,8 +112,10 @@ TEST(HeadPlan, NoActivePairIsAnEmptyPlan) {
 // 2p and 2p + 1 in one task, their weighted values in one pass, where kPairedValues; one head a
 // task elsewhere) gives each head the bits that attention() gives it alone: an odd head count
 // (the last head alone), sequences of different lengths (a ragged cache; none, one key,
-// hundreds), causal or not, padding keys, a sequence whose keys are all padding (zeros),
-// queries and keys at row strides of every head, on the calling thread and on a pool of 3.
+// hundreds), causal or not (a decode query sees every key either way), padding keys, a
+// sequence whose keys are all padding (zeros), queries and keys at row strides of every head,
+// on the calling thread and on a pool of 3. The calls do take the pairs where kPairedValues,
+// and calls the pairs must not take do not.
 TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
   const Index d = moh::detail::value_panel_packets(1) * moh::detail::packet_size<float>();
   ASSERT_TRUE(moh::detail::paired_values_head<float>(d));
@@ -147,6 +150,9 @@ TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
         moh::ThreadPool pool(threads);
         moh::Workspace workspace;
         const moh::detail::WorkspaceLease lease(&workspace, &pool, "test");
+        const moh::detail::ScoreExtras<float> none;
+        EXPECT_EQ(moh::detail::pairs_decode_heads(kv, batch, 1, heads, d, none, lease.exec()),
+                  moh::detail::kPairedValues);
         moh::detail::attend_heads<float>(
             moh::detail::HeadsView<float>{q.data(), width, width, d}, kv, batch, 1, heads, d,
             scale, causal, moh::detail::ScoreExtras<float>{}, got.data(), lease.exec());
@@ -167,6 +173,41 @@ TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
           }
         for (Index i = 0; i < width; ++i) EXPECT_EQ(got[2 * width + i], 0.0f) << "no keys";
       }
+  // Calls the pairs must not take: two tokens, grouped queries, a head of two panels, a
+  // bfloat16 cache, keys past one block, a bias, probabilities, fewer pairs than threads.
+  moh::detail::KeyValues<float> kv;
+  kv.k = moh::detail::HeadsView<float>{k.data(), width, keys * width, d};
+  kv.v = kv.k;
+  kv.keys = keys;
+  kv.kv_heads = heads;
+  moh::ThreadPool pool(3);
+  moh::Workspace workspace;
+  const moh::detail::WorkspaceLease lease(&workspace, &pool, "test");
+  const moh::detail::Exec exec = lease.exec();
+  const moh::detail::ScoreExtras<float> none;
+  EXPECT_EQ(moh::detail::pairs_decode_heads(kv, batch, 1, heads, d, none, exec),
+            moh::detail::kPairedValues);
+  EXPECT_FALSE(moh::detail::pairs_decode_heads(kv, batch, 2, heads, d, none, exec));
+  EXPECT_FALSE(moh::detail::pairs_decode_heads(kv, batch, 1, 2 * heads, d, none, exec));
+  EXPECT_FALSE(moh::detail::pairs_decode_heads(kv, batch, 1, heads, 2 * d, none, exec));
+  const std::vector<std::uint16_t> k16(16);
+  moh::detail::KeyValues<float> narrow = kv;
+  narrow.k.bf16 = narrow.v.bf16 = k16.data();
+  EXPECT_FALSE(moh::detail::pairs_decode_heads(narrow, batch, 1, heads, d, none, exec));
+  moh::detail::KeyValues<float> longer = kv;
+  longer.keys = moh::detail::kDeferredKeys + 1;
+  EXPECT_FALSE(moh::detail::pairs_decode_heads(longer, batch, 1, heads, d, none, exec));
+  moh::detail::ScoreExtras<float> bias, probabilities;
+  bias.bias = q.data();
+  probabilities.weights = q.data();
+  EXPECT_FALSE(moh::detail::pairs_decode_heads(kv, batch, 1, heads, d, bias, exec));
+  EXPECT_FALSE(moh::detail::pairs_decode_heads(kv, batch, 1, heads, d, probabilities, exec));
+  moh::detail::KeyValues<float> four = kv, six = kv;
+  four.kv_heads = 4;
+  six.kv_heads = 6;
+  EXPECT_FALSE(moh::detail::pairs_decode_heads(four, 1, 1, 4, d, none, exec));  // 2 pairs
+  EXPECT_EQ(moh::detail::pairs_decode_heads(six, 1, 1, 6, d, none, exec),      // 3 pairs
+            moh::detail::kPairedValues);
 }
 
 }  // namespace

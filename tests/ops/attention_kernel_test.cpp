@@ -535,6 +535,30 @@ TEST(AttentionKernel, DeferredValuesFinishWithTheBitsOfAttend) {
         }
       }
     }
+    // Head 0 sees nothing (not pending), head 1 does: finish_values() takes the second alone.
+    {
+      const Matrix<float> q = moh_test::random_matrix<float>(1, d, 430);
+      const Matrix<float> K = moh_test::random_matrix<float>(S, d, 431);
+      const Matrix<float> V = moh_test::random_matrix<float>(S, d, 432);
+      const moh::AttentionMasking hidden{false, 0, all_padded.get()}, seen{false, 0, nullptr};
+      Matrix<float> want[2], got[2];
+      for (int h = 0; h < 2; ++h) {
+        want[h] = got[h] = Matrix<float>::Constant(1, d, 5.0f);
+        run(q, K, V, S, h == 0 ? hidden : seen, want[h].data(), nullptr);
+      }
+      std::vector<float> room(static_cast<std::size_t>(2 * S + 2 * d));
+      moh::detail::DeferredValues<float> deferred[2];
+      for (int h = 0; h < 2; ++h) {
+        deferred[h].w = room.data() + h * S;
+        deferred[h].capacity = S;
+        run(q, K, V, S, h == 0 ? hidden : seen, got[h].data(), &deferred[h]);
+      }
+      EXPECT_FALSE(deferred[0].pending);
+      EXPECT_TRUE(deferred[1].pending);
+      moh::detail::finish_values(deferred, 2, d, room.data() + 2 * S);
+      EXPECT_TRUE(BitEqual(got[0], want[0])) << "nothing seen: zeros";
+      EXPECT_TRUE(BitEqual(got[1], want[1])) << "the second alone";
+    }
     // Not deferred, attended whole: the same bits as without `defer`.
     const Matrix<float> q = moh_test::random_matrix<float>(1, d, 410);
     const Matrix<float> K = moh_test::random_matrix<float>(S, 2 * d, 411);

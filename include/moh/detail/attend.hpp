@@ -94,14 +94,29 @@ struct ScoreExtras {
   }
 };
 
+/// Whether attend_heads() attends in pairs of heads (attend_head_pairs()): kPairedValues, one
+/// token per sequence, one query head per kv head, one-panel heads (paired_values_head()), a
+/// cache in T holding at most kDeferredKeys keys a sequence, no bias and no probabilities asked,
+/// and at least as many pairs as the pool has threads (else one head a task keeps more of them
+/// busy). Either way each head gets the same bits.
+template <class T>
+bool pairs_decode_heads(const KeyValues<T>& kv, Index batch, Index tokens, Index heads, Index d,
+                        const ScoreExtras<T>& extras, const Exec& exec) {
+  const Index threads = exec.pool != nullptr ? exec.pool->size() : 1;
+  return kPairedValues && tokens == 1 && heads == kv.kv_heads && paired_values_head<T>(d) &&
+         kv.k.bf16 == nullptr && kv.keys <= kDeferredKeys && extras.bias == nullptr &&
+         extras.weights == nullptr && batch * ((heads + 1) / 2) >= threads;
+}
+
 /// attend_heads() for one token per sequence and one query head per kv head, in one-panel
-/// heads (paired_values_head()) over a cache in T: heads 2p and 2p + 1 of a sequence attend in
+/// heads over a cache in T (pairs_decode_heads()): heads 2p and 2p + 1 of a sequence attend in
 /// one task, their weighted values in one pass (few_query_values_pair(), two streams in memory
 /// instead of one), each head with the bits it has alone (attend()'s own, as finish_values()
-/// promises). On Zen 3 (session 26): standalone, the values of one query read 15.7-17.9 GB/s,
-/// two heads' together 20.1; the D = 1024 MHA decode step (16 heads of 64, context 4096, one
+/// promises). On Zen 3 (session 26): the values of one query, 128 heads of 4096 x 64 floats from
+/// memory, read 15.7 GB/s one head at a time and 20.1 two at once in the same run (one head
+/// 16.6-17.9 in others); the D = 1024 MHA decode step (16 heads of 64, context 4096, one
 /// thread, old and new alternating in one process) took 0.91-0.92x its time at batch 8 and
-/// 0.93-0.94x at batch 1. Where kPairedValues is off, attend_heads() keeps one head a task.
+/// 0.93-0.94x at batch 1.
 template <class T>
 void attend_head_pairs(const HeadsView<T>& q, const KeyValues<T>& kv, Index batch, Index heads,
                        Index d, T scale, bool causal, T* out, const Exec& exec) {
@@ -109,7 +124,7 @@ void attend_head_pairs(const HeadsView<T>& q, const KeyValues<T>& kv, Index batc
   parallel_for(exec.pool, batch * pairs, [&](std::int64_t task, int thread) {
     const Index b = task / pairs, g0 = task % pairs * 2;
     const int n = static_cast<int>(std::min<Index>(2, heads - g0));
-    const Index keys = kv.keys_of(b);
+    const Index keys = kv.keys_of(b);  // at most kDeferredKeys (pairs_decode_heads())
     const AttentionMasking mask{causal, keys - 1, kv.padding_row(b)};
     Arena& arena = exec.thread(thread);
     const Arena::Scope scope(arena);
@@ -138,8 +153,7 @@ void attend_heads(const HeadsView<T>& q, const KeyValues<T>& kv, Index batch, In
                   Index heads, Index d, T scale, bool causal, const ScoreExtras<T>& extras,
                   T* out, const Exec& exec) {
   const Index group = heads / kv.kv_heads;
-  if (kPairedValues && group == 1 && tokens == 1 && kv.k.bf16 == nullptr &&
-      extras.bias == nullptr && extras.weights == nullptr && paired_values_head<T>(d)) {
+  if (pairs_decode_heads(kv, batch, tokens, heads, d, extras, exec)) {
     attend_head_pairs(q, kv, batch, heads, d, scale, causal, out, exec);
     return;
   }

@@ -751,12 +751,11 @@ constexpr bool paired_values_head(Index d) {
 
 /// a0[0 : d) += sum_c w0[c] v0_c over n0 values (rows at vs0), and a1 the same over its own
 /// n1 values, for heads of one panel (paired_values_head()): both read in one pass while both
-/// have keys left, then the longer alone. Two streams in memory where one query's values are
-/// one: standalone on Zen 3 (128 heads of 4096 x 64 floats from memory, medians of 36, session
-/// 26) 15.7-17.9 GB/s one head at a time, 20.1 two at once. Each element is one chain over its
-/// keys in order from a0 or a1, few_query_values()'s, so are its bits. With AVX2 the two
-/// heads' 16 accumulators and two weights leave GCC a few accumulators on the stack (measured
-/// so, and still the faster).
+/// have keys left, then the longer alone: two streams in memory where one query's values are
+/// one (measured: see attend_head_pairs() in detail/attend.hpp). Each element is one chain over
+/// its keys in order from a0 or a1, few_query_values()'s, so are its bits. With AVX2 the two
+/// heads' 16 accumulators and two weights leave 3 accumulators on the stack (GCC 12, objdump);
+/// the test program's copy of this loop, spilling the same, was the one measured.
 template <class T>
 void few_query_values_pair(const T* w0, const T* v0, Index vs0, Index n0, T* a0, const T* w1,
                            const T* v1, Index vs1, Index n1, T* a1) {
@@ -847,6 +846,10 @@ struct PackedKeys {
   }
 };
 
+/// The most keys a deferred query can have (DeferredValues): what attend()'s one block of keys
+/// holds for one query (the few-query kernels' key_block at one query).
+constexpr Index kDeferredKeys = kQueryBlock * kKeyBlock;
+
 /// One query's attend() stopped before its weighted values, for a caller that pairs two such
 /// queries' values in one pass (few_query_values_pair()): the softmax weights of its one block
 /// of keys copied to `w` (the caller's room for `capacity`), the values they weigh, the
@@ -928,6 +931,7 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
           : kKeyBlock;
   StridedMap<T> scores_tile(scratch.scores.data(), kQueryBlock * kKeyBlock / key_block, key_block,
                             Eigen::OuterStride<>(key_block));
+  eigen_assert(!few || n_q != 1 || key_block == kDeferredKeys);
   if (defer != nullptr) defer->pending = false;
   const bool deferring = defer != nullptr && few && !narrow && n_q == 1 && bias.data == nullptr &&
                          weights.data == nullptr && paired_values_head<T>(d) && S <= key_block &&
@@ -1128,16 +1132,17 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
   }
 }
 
-/// Writes the outputs of attend()'s pending queries in `d` (of `count`, at most two; others are
-/// skipped): their weighted values from zero, two in one pass (few_query_values_pair()), each
-/// divided by its softmax sum, the bits attend() would have written. `acc`: room for 2 d.
+/// Writes the outputs of attend()'s pending queries among `deferred[0 .. count)` (count at most
+/// two; the others are skipped): their weighted values from zero, two in one pass
+/// (few_query_values_pair()), each divided by its softmax sum, the bits attend() would have
+/// written. `acc`: room for 2 head_dim.
 template <class T>
-void finish_values(DeferredValues<T>* d, int count, Index head_dim, T* acc) {
+void finish_values(DeferredValues<T>* deferred, int count, Index head_dim, T* acc) {
   eigen_assert(count <= 2 && "finish_values: at most two queries");
   DeferredValues<T>* pending[2] = {nullptr, nullptr};
   int n = 0;
   for (int i = 0; i < count; ++i)
-    if (d[i].pending) pending[n++] = &d[i];
+    if (deferred[i].pending) pending[n++] = &deferred[i];
   if (n == 0) return;
   std::fill(acc, acc + 2 * head_dim, T(0));
   if (n == 2)
