@@ -195,6 +195,9 @@ TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
   narrow.k.bf16 = narrow.v.bf16 = k16.data();
   EXPECT_FALSE(moh::detail::pairs_decode_heads(narrow, batch, 1, heads, d, none, exec));
   moh::detail::KeyValues<float> longer = kv;
+  longer.keys = moh::detail::kDeferredKeys;
+  EXPECT_EQ(moh::detail::pairs_decode_heads(longer, batch, 1, heads, d, none, exec),
+            moh::detail::kPairedValues);
   longer.keys = moh::detail::kDeferredKeys + 1;
   EXPECT_FALSE(moh::detail::pairs_decode_heads(longer, batch, 1, heads, d, none, exec));
   moh::detail::ScoreExtras<float> bias, probabilities;

@@ -55,6 +55,14 @@ TEST(DecodeThreads, MhaPairedHeads) {
       moh_test::mha_config(5 * d, 5, 0, d), "mha paired heads");
 }
 
+TEST(DecodeThreads, MhaPairedHeadsAroundThePoolSize) {
+  // 2 such heads, 2 sequences: 2 pairs, so the steps pair the heads on 1 or 2 threads and
+  // attend one head a task on 3 (pairs_decode_heads()): the same bits either way.
+  const Index d = moh::detail::value_panel_packets(1) * moh::detail::packet_size<float>();
+  expect_decode_independent_of_threads<moh::MultiHeadAttention<float>>(
+      moh_test::mha_config(2 * d, 2, 0, d), "mha paired heads, 2 pairs");
+}
+
 TEST(DecodeThreads, MhaOddHeadSize) {
   expect_decode_independent_of_threads<moh::MultiHeadAttention<float>>(
       moh_test::mha_config(60, 4, 0, 15), "mha head_dim 15");

@@ -931,7 +931,8 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
           : kKeyBlock;
   StridedMap<T> scores_tile(scratch.scores.data(), kQueryBlock * kKeyBlock / key_block, key_block,
                             Eigen::OuterStride<>(key_block));
-  eigen_assert(!few || n_q != 1 || key_block == kDeferredKeys);
+  eigen_assert((!few || n_q != 1 || key_block == kDeferredKeys) &&
+               "attend: kDeferredKeys is one query's block of keys");
   if (defer != nullptr) defer->pending = false;
   const bool deferring = defer != nullptr && few && !narrow && n_q == 1 && bias.data == nullptr &&
                          weights.data == nullptr && paired_values_head<T>(d) && S <= key_block &&
