@@ -102,10 +102,9 @@ struct ScoreExtras {
 template <class T>
 bool pairs_decode_heads(const KeyValues<T>& kv, Index batch, Index tokens, Index heads, Index d,
                         const ScoreExtras<T>& extras, const Exec& exec) {
-  const Index threads = exec.pool != nullptr ? exec.pool->size() : 1;
   return kPairedValues && tokens == 1 && heads == kv.kv_heads && paired_values_head<T>(d) &&
          kv.k.bf16 == nullptr && kv.keys <= kDeferredKeys && extras.bias == nullptr &&
-         extras.weights == nullptr && batch * ((heads + 1) / 2) >= threads;
+         extras.weights == nullptr && batch * ((heads + 1) / 2) >= exec.threads();
 }
 
 /// attend_heads() for one token per sequence and one query head per kv head, in one-panel

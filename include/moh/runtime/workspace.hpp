@@ -256,8 +256,10 @@ struct Exec {
   /// every row the same way whatever their row count, so that each sequence of a batch gets the
   /// bits it gets alone, for any batch size (the route itself is the ops' business: multiply()).
   bool dot_rows = false;
+  /// The threads the call's work is split across (1 without a pool).
+  int threads() const { return pool != nullptr ? pool->size() : 1; }
   /// Whether the call's work is split across more than one thread.
-  bool threaded() const { return pool != nullptr && pool->size() > 1; }
+  bool threaded() const { return threads() > 1; }
   Arena& call() const { return WorkspaceAccess::call(*ws); }
   Arena& thread(int t) const { return WorkspaceAccess::thread(*ws, t); }
 };
