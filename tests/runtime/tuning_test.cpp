@@ -46,18 +46,21 @@ TEST(KernelTuning, RejectsStreamCountsOutOfRangeNamingTheValue) {
 constexpr unsigned kAmd[3] = {0x68747541u, 0x69746e65u, 0x444d4163u};    // "AuthenticAMD"
 constexpr unsigned kIntel[3] = {0x756e6547u, 0x49656e69u, 0x6c65746eu};  // "GenuineIntel"
 
-TEST(KernelTuning, OneStreamAndPrefetchOnZen5AndLaterOnly) {
+TEST(KernelTuning, FloatCachesPrefetchedOnZen5AndLaterOnly) {
   const auto on = [](const unsigned* vendor, unsigned eax1) {
     return KernelTuning::for_cpuid(vendor[0], vendor[1], vendor[2], eax1);
   };
-  // Zen 5 (family 0x1A, an EPYC 9005 signature) and a later family: one stream, prefetched.
+  const KernelTuning defaults;
+  ASSERT_FALSE(defaults.prefetch_float_cache);
+  ASSERT_EQ(defaults.weight_streams, KernelTuning::kMaxWeightStreams);
+  // Zen 5 (family 0x1A, an EPYC 9005 signature) and a later family: float caches prefetched,
+  // the weights read in as many streams as elsewhere.
   for (unsigned eax1 : {0x00B00F21u, 0x00C00F00u}) {
-    EXPECT_EQ(on(kAmd, eax1).weight_streams, 1) << std::hex << eax1;
+    EXPECT_EQ(on(kAmd, eax1).weight_streams, defaults.weight_streams) << std::hex << eax1;
     EXPECT_TRUE(on(kAmd, eax1).prefetch_float_cache) << std::hex << eax1;
   }
   // Zen 4 (family 0x19), an Intel part with the same words, and an AMD part whose base family
   // is not 0xF (the extended family must then be ignored): the defaults.
-  const KernelTuning defaults;
   for (const auto& [vendor, eax1] : {std::pair<const unsigned*, unsigned>{kAmd, 0x00A10F11u},
                                      {kIntel, 0x00B00F21u},
                                      {kIntel, 0x000806F8u},

@@ -613,7 +613,9 @@ constexpr Index kShortRow = 256;
 /// 10.2 for the old 8 rows of one chain; Zen 5: 1.01x the old step's time). In the Zen 4
 /// LLaMA3-8B steps (session 13, 4 alternating rounds) six rows side by side still took
 /// 1.12-1.19x the time of the old 8 rows of one chain (which round differently), one row at a
-/// time 1.14-1.51x.
+/// time 1.14-1.51x. On Zen 5 again (session 27, one row of A against 2 x 4096 x 4096 from memory,
+/// 6 rows side by side and one row at a time alternating, medians of 22-24): float 0.82-0.85x the
+/// time of one row at a time, bfloat16 0.94-0.96x; the LLaMA3-8B steps 0.78-0.89x.
 constexpr int kRowChains = 4;
 static_assert((kRowChains & (kRowChains - 1)) == 0, "the chains are added pairwise");
 #if defined(EIGEN_VECTORIZE_AVX512)
@@ -1071,7 +1073,7 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
 /// rows per call (a decode step on a pool) 0.92x and 0.98x; two rows of A, bfloat16 0.94x,
 /// float 1.03x (0.99-1.07). 6 parts of one chain against two rows of A are 12 accumulators:
 /// AVX2's 16 registers still hold them. AVX-512 keeps 4 (unmeasured with more). Fewer where
-/// KernelTuning::weight_streams says so (Zen 5 reads one long row at a time best).
+/// KernelTuning::weight_streams says so (set_kernel_tuning()).
 #if defined(EIGEN_VECTORIZE_AVX512)
 constexpr int kShortStreams = 4;
 #else

@@ -1,10 +1,12 @@
 // moh::KernelTuning: how the decode kernels order their reads from memory on this machine.
 //
 // A decode step is bound by how fast one core streams weights and cache from memory, and the
-// best read pattern differs between microarchitectures: on Zen 5 a projection streams fastest
-// reading one weight row at a time (session 12), on Zen 4 reading six rows side by side: there
-// the bfloat16-weights LLaMA3-8B step took 0.79x the time it took with one row at a time, the
-// float step 0.93x (bench/results/decode-operating-points.md, session 13). Nothing
+// best read pattern differs between microarchitectures and, on a shared host, between days: on
+// Zen 4 a projection streams fastest reading six weight rows side by side (the bfloat16-weights
+// LLaMA3-8B step took 0.79x the time it took with one row at a time, the float step 0.93x;
+// bench/results/decode-operating-points.md, session 13), and so on Zen 5 since session 27 (the
+// same steps 0.85-0.86x and 0.88x, old and new alternating in one process), where session 12 had
+// measured one row at a time faster on a day when one stream read 36-41 GB/s. Nothing
 // here changes a bit of any result: a dot product's element sums the same partial sums in the
 // same order whatever rows it is read beside, and a prefetch only asks for bytes early.
 // kernel_tuning() is chosen for the CPU it first runs on; set_kernel_tuning() replaces it.
@@ -42,22 +44,22 @@ struct KernelTuning {
   }
 
   /// The tuning for a CPU that identifies itself with these CPUID words: leaf 0's ebx, edx and
-  /// ecx (the vendor) and leaf 1's eax (family, model). AMD family 26 or later (Zen 5): one
-  /// weight stream and float caches prefetched, as measured there (session 12); any other CPU
-  /// the defaults above, measured on Zen 4 (sessions 11 and 13) and on Zen 3 (AVX2, so at most
-  /// 3 streams of float weights, 6 of bfloat16: one or two made the float LLaMA3-8B step 1.26x
-  /// and 1.05x slower; prefetching its float cache undecided, 0.91-1.10x over three runs;
-  /// session 19; short rows in 4 parts, session 21, and 6, session 25); Intel unmeasured.
+  /// ecx (the vendor) and leaf 1's eax (family, model). AMD family 26 or later (Zen 5): float
+  /// caches prefetched (session 12; session 27, one process alternating, 0.99x and 1.02x the
+  /// LLaMA3-8B MHA and MoH steps without: kept). Six weight streams everywhere: measured on Zen 4
+  /// (sessions 11 and 13), on Zen 3 (AVX2, so at most 3 streams of float weights, 6 of
+  /// bfloat16: one or two made the float LLaMA3-8B step 1.26x and 1.05x slower; prefetching its
+  /// float cache undecided, 0.91-1.10x over three runs; session 19; short rows in 4 parts,
+  /// session 21, and 6, session 25) and on Zen 5 (session 27: one stream, session 12's choice
+  /// there, made the LLaMA3-8B steps 1.12-1.28x slower, four in one process, two runs of 60-80
+  /// steps alternating); Intel unmeasured.
   static KernelTuning for_cpuid(unsigned ebx0, unsigned edx0, unsigned ecx0, unsigned eax1) {
     KernelTuning t;
     // "AuthenticAMD" in ebx, edx, ecx.
     const bool amd = ebx0 == 0x68747541u && edx0 == 0x69746e65u && ecx0 == 0x444d4163u;
     const unsigned base = (eax1 >> 8) & 0xFu, extended = (eax1 >> 20) & 0xFFu;
     const unsigned family = base == 0xFu ? base + extended : base;
-    if (amd && family >= 0x1Au) {
-      t.weight_streams = 1;
-      t.prefetch_float_cache = true;
-    }
+    if (amd && family >= 0x1Au) t.prefetch_float_cache = true;
     return t;
   }
 
