@@ -108,16 +108,16 @@ TEST(HeadPlan, NoActivePairIsAnEmptyPlan) {
   for (Index h = 0; h < 4; ++h) EXPECT_EQ(plan.count(h), 0);
 }
 
-// A decode step of one query head per kv head over one-panel heads (attend_head_pairs(): heads
-// 2p and 2p + 1 in one task, their weighted values in one pass, where kPairedValues; one head a
-// task elsewhere) gives each head the bits that attention() gives it alone: an odd head count
-// (the last head alone), sequences of different lengths (a ragged cache; none, one key,
-// hundreds), causal or not (a decode query sees every key either way), padding keys, a
-// sequence whose keys are all padding (zeros), queries and keys at row strides of every head,
-// on the calling thread and on a pool of 3. The calls do take the pairs where kPairedValues,
-// and calls the pairs must not take do not.
-TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
-  const Index d = moh::detail::value_panel_packets(1) * moh::detail::packet_size<float>();
+// A decode step of one query head per kv head over heads of one value panel or half of one
+// (attend_head_pairs(): heads 2p and 2p + 1 in one task, their weighted values in one pass,
+// where kPairedValues; one head a task elsewhere) gives each head the bits that attention()
+// gives it alone: an odd head count (the last head alone), sequences of different lengths (a
+// ragged cache; none, one key, hundreds), causal or not (a decode query sees every key either
+// way), padding keys, a sequence whose keys are all padding (zeros), queries and keys at row
+// strides of every head, on the calling thread and on a pool of 3. The calls do take the pairs
+// where kPairedValues, and calls the pairs must not take do not.
+void expect_paired_decode_heads_have_each_heads_bits_alone(Index d) {
+  SCOPED_TRACE(testing::Message() << "head_dim " << d);
   ASSERT_TRUE(moh::detail::paired_values_head<float>(d));
   const Index batch = 4, heads = 5, keys = 300;
   const Index lengths[batch] = {300, 1, 0, 137};
@@ -173,8 +173,9 @@ TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
           }
         for (Index i = 0; i < width; ++i) EXPECT_EQ(got[2 * width + i], 0.0f) << "no keys";
       }
-  // Calls the pairs must not take: two tokens, grouped queries, a head of two panels, a
-  // bfloat16 cache, keys past one block, a bias, probabilities, fewer pairs than threads.
+  // Calls the pairs must not take: two tokens, grouped queries, a head three times as wide
+  // (three panels or three halves), a bfloat16 cache, keys past one block, a bias,
+  // probabilities, fewer pairs than threads.
   moh::detail::KeyValues<float> kv;
   kv.k = moh::detail::HeadsView<float>{k.data(), width, keys * width, d};
   kv.v = kv.k;
@@ -189,7 +190,7 @@ TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
             moh::detail::kPairedValues);
   EXPECT_FALSE(moh::detail::pairs_decode_heads(kv, batch, 2, heads, d, none, exec));
   EXPECT_FALSE(moh::detail::pairs_decode_heads(kv, batch, 1, 2 * heads, d, none, exec));
-  EXPECT_FALSE(moh::detail::pairs_decode_heads(kv, batch, 1, heads, 2 * d, none, exec));
+  EXPECT_FALSE(moh::detail::pairs_decode_heads(kv, batch, 1, heads, 3 * d, none, exec));
   const std::vector<std::uint16_t> k16(16);
   moh::detail::KeyValues<float> narrow = kv;
   narrow.k.bf16 = narrow.v.bf16 = k16.data();
@@ -211,6 +212,16 @@ TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
   EXPECT_FALSE(moh::detail::pairs_decode_heads(four, 1, 1, 4, d, none, exec));  // 2 pairs
   EXPECT_EQ(moh::detail::pairs_decode_heads(six, 1, 1, 6, d, none, exec),      // 3 pairs
             moh::detail::kPairedValues);
+}
+
+TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
+  expect_paired_decode_heads_have_each_heads_bits_alone(moh::detail::kPairedPanel *
+                                                        moh::detail::packet_size<float>());
+}
+
+TEST(AttendHeads, PairedDecodeHeadsOfHalfAPanelHaveEachHeadsBitsAlone) {
+  expect_paired_decode_heads_have_each_heads_bits_alone(moh::detail::kPairedHalfPanel *
+                                                        moh::detail::packet_size<float>());
 }
 
 }  // namespace

@@ -47,12 +47,13 @@ TEST(DecodeThreads, MhaGroupedQueryWithRope) {
 
 TEST(DecodeThreads, MhaPairedHeads) {
   // One query head per kv head, heads of one value panel (64 floats with AVX2, 128 with
-  // AVX-512), 5 of them: the steps attend heads in pairs (attend_head_pairs(), where
-  // kPairedValues), the last alone. Paired against unpaired, head by head:
-  // AttendHeads.PairedDecodeHeadsHaveEachHeadsBitsAlone.
-  const Index d = moh::detail::value_panel_packets(1) * moh::detail::packet_size<float>();
-  expect_decode_independent_of_threads<moh::MultiHeadAttention<float>>(
-      moh_test::mha_config(5 * d, 5, 0, d), "mha paired heads");
+  // AVX-512) or of half of one (32, 64), 5 of them: the steps attend heads in pairs
+  // (attend_head_pairs(), where kPairedValues), the last alone. Paired against unpaired, head
+  // by head: AttendHeads.PairedDecodeHeadsHaveEachHeadsBitsAlone and ...OfHalfAPanel....
+  const Index L = moh::detail::packet_size<float>();
+  for (const Index d : {moh::detail::kPairedPanel * L, moh::detail::kPairedHalfPanel * L})
+    expect_decode_independent_of_threads<moh::MultiHeadAttention<float>>(
+        moh_test::mha_config(5 * d, 5, 0, d), "mha paired heads of " + std::to_string(d));
 }
 
 TEST(DecodeThreads, MhaPairedHeadsAroundThePoolSize) {

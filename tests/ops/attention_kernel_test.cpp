@@ -452,38 +452,46 @@ TEST(AttentionKernel, NextRunLinesAskForEachLineOfTheRunOnce) {
 
 // Two one-query heads' weighted values in one pass (few_query_values_pair()) have the bits of
 // each alone (few_query_values(), one chain per element over the keys in order), for equal and
-// unequal key counts (the longer one's last keys alone), none, and from accumulators not zero.
+// unequal key counts (the longer one's last keys alone), none, and from accumulators not zero;
+// heads of one value panel and of half of one.
 TEST(AttentionKernel, PairedValuesHaveEachQuerysBitsAlone) {
-  const Index d = moh::detail::value_panel_packets(1) * moh::detail::packet_size<float>();
-  ASSERT_TRUE(moh::detail::paired_values_head<float>(d));
-  const Index stride = d + 8;  // rows wider than the head
-  for (const auto& n : std::vector<std::pair<Index, Index>>{
-           {0, 0}, {0, 5}, {17, 300}, {300, 17}, {64, 64}, {1, 1}}) {
-    SCOPED_TRACE(testing::Message() << "keys " << n.first << " and " << n.second);
-    const Index n0 = n.first, n1 = n.second;
-    const Matrix<float> W = moh_test::random_matrix<float>(2, 301, 300 + n0);
-    const Matrix<float> V0 = moh_test::random_matrix<float>(301, stride, 301 + n0);
-    const Matrix<float> V1 = moh_test::random_matrix<float>(301, stride, 302 + n1);
-    const Matrix<float> A = moh_test::random_matrix<float>(2, d, 303);
-    Matrix<float> want = A, got = A;
-    moh::detail::few_query_values<float, 1>(W.data(), 0, V0.data(), stride, n0, d, want.data(), 0);
-    moh::detail::few_query_values<float, 1>(W.data() + 301, 0, V1.data(), stride, n1, d,
-                                            want.data() + d, 0);
-    moh::detail::few_query_values_pair<float>(W.data(), V0.data(), stride, n0, got.data(),
-                                              W.data() + 301, V1.data(), stride, n1,
-                                              got.data() + d);
-    EXPECT_TRUE(BitEqual(got, want));
-  }
+  const auto heads_of = [](auto packets) {
+    constexpr int NP = decltype(packets)::value;
+    const Index d = NP * moh::detail::packet_size<float>();
+    SCOPED_TRACE(testing::Message() << "head_dim " << d);
+    ASSERT_TRUE(moh::detail::paired_values_head<float>(d));
+    const Index stride = d + 8;  // rows wider than the head
+    for (const auto& n : std::vector<std::pair<Index, Index>>{
+             {0, 0}, {0, 5}, {17, 300}, {300, 17}, {64, 64}, {1, 1}}) {
+      SCOPED_TRACE(testing::Message() << "keys " << n.first << " and " << n.second);
+      const Index n0 = n.first, n1 = n.second;
+      const Matrix<float> W = moh_test::random_matrix<float>(2, 301, 300 + n0);
+      const Matrix<float> V0 = moh_test::random_matrix<float>(301, stride, 301 + n0);
+      const Matrix<float> V1 = moh_test::random_matrix<float>(301, stride, 302 + n1);
+      const Matrix<float> A = moh_test::random_matrix<float>(2, d, 303);
+      Matrix<float> want = A, got = A;
+      moh::detail::few_query_values<float, 1>(W.data(), 0, V0.data(), stride, n0, d,
+                                              want.data(), 0);
+      moh::detail::few_query_values<float, 1>(W.data() + 301, 0, V1.data(), stride, n1, d,
+                                              want.data() + d, 0);
+      moh::detail::few_query_values_pair<float, NP>(W.data(), V0.data(), stride, n0, got.data(),
+                                                    W.data() + 301, V1.data(), stride, n1,
+                                                    got.data() + d);
+      EXPECT_TRUE(BitEqual(got, want));
+    }
+  };
+  heads_of(std::integral_constant<int, moh::detail::kPairedPanel>{});      // one panel
+  heads_of(std::integral_constant<int, moh::detail::kPairedHalfPanel>{});  // half of one
 }
 
-// attend() with `defer` stops one query of a one-panel head before its weighted values, and
-// finish_values() then writes the bits attend() writes without it: two heads in one pass, or
-// one; keys visible, partly hidden (causal, padding) or all hidden (nothing pending: zeros).
-// What it cannot defer it attends whole: a bias, probabilities, keys past the caller's room,
-// more than one block of keys, a head of two panels.
+// attend() with `defer` stops one query of a head of one value panel (or half of one) before
+// its weighted values, and finish_values() then writes the bits attend() writes without it: two
+// heads in one pass, or one; keys visible, partly hidden (causal, padding) or all hidden
+// (nothing pending: zeros). What it cannot defer it attends whole: a bias, probabilities, keys
+// past the caller's room, more than one block of keys, a head of two panels or of three halves.
 TEST(AttentionKernel, DeferredValuesFinishWithTheBitsOfAttend) {
   const Index L = moh::detail::packet_size<float>();
-  const Index d = moh::detail::value_panel_packets(1) * L;
+  const Index full = moh::detail::kPairedPanel * L, half = moh::detail::kPairedHalfPanel * L;
   const float scale = 0.3f;
   moh::detail::Arena arena;
   const auto run = [&](const Matrix<float>& q, const Matrix<float>& K, const Matrix<float>& V,
@@ -496,112 +504,117 @@ TEST(AttentionKernel, DeferredValuesFinishWithTheBitsOfAttend) {
         moh::AttentionKeysValues<float>{K.data(), K.cols(), V.data(), V.cols(), S}, mask,
         moh::AttentionOutput<float>{out, q.cols()}, arena, nullptr, bias, weights, defer);
   };
-  for (const Index S : {Index(1), Index(37), Index(300)}) {
-    std::unique_ptr<bool[]> padding(new bool[static_cast<std::size_t>(S)]);
-    for (Index j = 0; j < S; ++j) padding[j] = j % 5 == 3;
-    std::unique_ptr<bool[]> all_padded(new bool[static_cast<std::size_t>(S)]);
-    std::fill(all_padded.get(), all_padded.get() + S, true);
-    const moh::AttentionMasking masks[] = {
-        {false, 0, nullptr},          // every key
-        {true, S / 2 - 1, nullptr},   // position 0 sees keys 0 .. S / 2 - 1 (none when S is 1)
-        {false, 0, padding.get()},    // some keys padding
-        {false, 0, all_padded.get()}  // nothing to see
-    };
-    for (const moh::AttentionMasking& mask : masks) {
-      SCOPED_TRACE(testing::Message() << "S " << S << " causal " << mask.causal << " padding "
-                                      << (mask.key_padding != nullptr));
-      Matrix<float> q[2], K[2], V[2], want[2], got[2];
-      for (int h = 0; h < 2; ++h) {
-        q[h] = moh_test::random_matrix<float>(1, d, 400 + h);
-        K[h] = moh_test::random_matrix<float>(S, d, 402 + h + S);
-        V[h] = moh_test::random_matrix<float>(S, d, 404 + h + S);
-        want[h] = got[h] = moh_test::random_matrix<float>(1, d, 406);
-        run(q[h], K[h], V[h], S, mask, want[h].data(), nullptr);
+  for (const Index d : {full, half}) {
+    SCOPED_TRACE(testing::Message() << "head_dim " << d);
+    for (const Index S : {Index(1), Index(37), Index(300)}) {
+      std::unique_ptr<bool[]> padding(new bool[static_cast<std::size_t>(S)]);
+      for (Index j = 0; j < S; ++j) padding[j] = j % 5 == 3;
+      std::unique_ptr<bool[]> all_padded(new bool[static_cast<std::size_t>(S)]);
+      std::fill(all_padded.get(), all_padded.get() + S, true);
+      const moh::AttentionMasking masks[] = {
+          {false, 0, nullptr},          // every key
+          {true, S / 2 - 1, nullptr},   // position 0 sees keys 0 .. S / 2 - 1 (none when S is 1)
+          {false, 0, padding.get()},    // some keys padding
+          {false, 0, all_padded.get()}  // nothing to see
+      };
+      for (const moh::AttentionMasking& mask : masks) {
+        SCOPED_TRACE(testing::Message() << "S " << S << " causal " << mask.causal << " padding "
+                                        << (mask.key_padding != nullptr));
+        Matrix<float> q[2], K[2], V[2], want[2], got[2];
+        for (int h = 0; h < 2; ++h) {
+          q[h] = moh_test::random_matrix<float>(1, d, 400 + h);
+          K[h] = moh_test::random_matrix<float>(S, d, 402 + h + S);
+          V[h] = moh_test::random_matrix<float>(S, d, 404 + h + S);
+          want[h] = got[h] = moh_test::random_matrix<float>(1, d, 406);
+          run(q[h], K[h], V[h], S, mask, want[h].data(), nullptr);
+        }
+        std::vector<float> room(static_cast<std::size_t>(2 * S + 2 * d));
+        for (const int count : {1, 2}) {
+          moh::detail::DeferredValues<float> deferred[2];
+          for (int h = 0; h < count; ++h) {
+            deferred[h].w = room.data() + h * S;
+            deferred[h].capacity = S;
+            run(q[h], K[h], V[h], S, mask, got[h].data(), &deferred[h]);
+            const bool sees = mask.key_padding != all_padded.get() && (!mask.causal || S >= 2);
+            EXPECT_EQ(deferred[h].pending, sees) << "head " << h;
+          }
+          moh::detail::finish_values(deferred, count, d, room.data() + 2 * S);
+          for (int h = 0; h < count; ++h) {
+            EXPECT_FALSE(deferred[h].pending);
+            EXPECT_TRUE(BitEqual(got[h], want[h])) << count << " heads, head " << h;
+          }
+        }
       }
-      std::vector<float> room(static_cast<std::size_t>(2 * S + 2 * d));
-      for (const int count : {1, 2}) {
+      // Head 0 sees nothing (not pending), head 1 does: finish_values() takes the second alone.
+      {
+        const Matrix<float> q = moh_test::random_matrix<float>(1, d, 430);
+        const Matrix<float> K = moh_test::random_matrix<float>(S, d, 431);
+        const Matrix<float> V = moh_test::random_matrix<float>(S, d, 432);
+        const moh::AttentionMasking hidden{false, 0, all_padded.get()}, seen{false, 0, nullptr};
+        Matrix<float> want[2], got[2];
+        for (int h = 0; h < 2; ++h) {
+          want[h] = got[h] = Matrix<float>::Constant(1, d, 5.0f);
+          run(q, K, V, S, h == 0 ? hidden : seen, want[h].data(), nullptr);
+        }
+        std::vector<float> room(static_cast<std::size_t>(2 * S + 2 * d));
         moh::detail::DeferredValues<float> deferred[2];
-        for (int h = 0; h < count; ++h) {
+        for (int h = 0; h < 2; ++h) {
           deferred[h].w = room.data() + h * S;
           deferred[h].capacity = S;
-          run(q[h], K[h], V[h], S, mask, got[h].data(), &deferred[h]);
-          const bool sees = mask.key_padding != all_padded.get() && (!mask.causal || S >= 2);
-          EXPECT_EQ(deferred[h].pending, sees) << "head " << h;
+          run(q, K, V, S, h == 0 ? hidden : seen, got[h].data(), &deferred[h]);
         }
-        moh::detail::finish_values(deferred, count, d, room.data() + 2 * S);
-        for (int h = 0; h < count; ++h) {
-          EXPECT_FALSE(deferred[h].pending);
-          EXPECT_TRUE(BitEqual(got[h], want[h])) << count << " heads, head " << h;
-        }
+        EXPECT_FALSE(deferred[0].pending);
+        EXPECT_TRUE(deferred[1].pending);
+        moh::detail::finish_values(deferred, 2, d, room.data() + 2 * S);
+        EXPECT_TRUE(BitEqual(got[0], want[0])) << "nothing seen: zeros";
+        EXPECT_TRUE(BitEqual(got[1], want[1])) << "the second alone";
       }
+      // Not deferred, attended whole: the same bits as without `defer`.
+      const Matrix<float> q = moh_test::random_matrix<float>(1, d, 410);
+      const Matrix<float> K = moh_test::random_matrix<float>(S, 2 * d, 411);
+      const Matrix<float> V = moh_test::random_matrix<float>(S, 2 * d, 412);
+      const Matrix<float> bias_row = moh_test::random_matrix<float>(1, S, 413);
+      std::vector<float> probabilities(static_cast<std::size_t>(S));
+      std::vector<float> room(static_cast<std::size_t>(S));
+      const moh::AttentionMasking all{false, 0, nullptr};
+      const auto expect_whole = [&](const char* what, Index capacity,
+                                    const moh::AttentionBias<float>& bias,
+                                    const moh::AttentionWeights<float>& weights) {
+        Matrix<float> want = Matrix<float>::Zero(1, d), got = Matrix<float>::Constant(1, d, 7.0f);
+        run(q, K, V, S, all, want.data(), nullptr, bias, weights);
+        moh::detail::DeferredValues<float> deferred;
+        deferred.w = room.data();
+        deferred.capacity = capacity;
+        deferred.pending = true;  // attend() clears it
+        run(q, K, V, S, all, got.data(), &deferred, bias, weights);
+        EXPECT_FALSE(deferred.pending) << what;
+        EXPECT_TRUE(BitEqual(got, want)) << what;
+      };
+      expect_whole("bias", S, moh::AttentionBias<float>{bias_row.data(), 0, nullptr}, {});
+      expect_whole("probabilities", S, {},
+                   moh::AttentionWeights<float>{probabilities.data(), S, nullptr});
+      expect_whole("room for fewer keys", S - 1, {}, {});
     }
-    // Head 0 sees nothing (not pending), head 1 does: finish_values() takes the second alone.
-    {
-      const Matrix<float> q = moh_test::random_matrix<float>(1, d, 430);
-      const Matrix<float> K = moh_test::random_matrix<float>(S, d, 431);
-      const Matrix<float> V = moh_test::random_matrix<float>(S, d, 432);
-      const moh::AttentionMasking hidden{false, 0, all_padded.get()}, seen{false, 0, nullptr};
-      Matrix<float> want[2], got[2];
-      for (int h = 0; h < 2; ++h) {
-        want[h] = got[h] = Matrix<float>::Constant(1, d, 5.0f);
-        run(q, K, V, S, h == 0 ? hidden : seen, want[h].data(), nullptr);
-      }
-      std::vector<float> room(static_cast<std::size_t>(2 * S + 2 * d));
-      moh::detail::DeferredValues<float> deferred[2];
-      for (int h = 0; h < 2; ++h) {
-        deferred[h].w = room.data() + h * S;
-        deferred[h].capacity = S;
-        run(q, K, V, S, h == 0 ? hidden : seen, got[h].data(), &deferred[h]);
-      }
-      EXPECT_FALSE(deferred[0].pending);
-      EXPECT_TRUE(deferred[1].pending);
-      moh::detail::finish_values(deferred, 2, d, room.data() + 2 * S);
-      EXPECT_TRUE(BitEqual(got[0], want[0])) << "nothing seen: zeros";
-      EXPECT_TRUE(BitEqual(got[1], want[1])) << "the second alone";
-    }
-    // Not deferred, attended whole: the same bits as without `defer`.
-    const Matrix<float> q = moh_test::random_matrix<float>(1, d, 410);
-    const Matrix<float> K = moh_test::random_matrix<float>(S, 2 * d, 411);
-    const Matrix<float> V = moh_test::random_matrix<float>(S, 2 * d, 412);
-    const Matrix<float> bias_row = moh_test::random_matrix<float>(1, S, 413);
-    std::vector<float> probabilities(static_cast<std::size_t>(S));
-    std::vector<float> room(static_cast<std::size_t>(S));
-    const moh::AttentionMasking all{false, 0, nullptr};
-    const auto expect_whole = [&](const char* what, Index capacity,
-                                  const moh::AttentionBias<float>& bias,
-                                  const moh::AttentionWeights<float>& weights) {
-      Matrix<float> want = Matrix<float>::Zero(1, d), got = Matrix<float>::Constant(1, d, 7.0f);
-      run(q, K, V, S, all, want.data(), nullptr, bias, weights);
+    // Heads of two panels and of three halves, and keys past one block (a one-query block holds
+    // 16384): attended whole.
+    const std::vector<std::pair<Index, Index>> shapes{
+        {40, 2 * full}, {40, 3 * half}, {16384 + 5, d}};
+    for (const auto& shape : shapes) {
+      const Index S = shape.first, width = shape.second;
+      SCOPED_TRACE(testing::Message() << "S " << S << " d " << width);
+      const Matrix<float> q = moh_test::random_matrix<float>(1, width, 420);
+      const Matrix<float> K = moh_test::random_matrix<float>(S, width, 421);
+      const Matrix<float> V = moh_test::random_matrix<float>(S, width, 422);
+      Matrix<float> want(1, width), got(1, width);
+      std::vector<float> room(static_cast<std::size_t>(S));
+      run(q, K, V, S, {false, 0, nullptr}, want.data(), nullptr);
       moh::detail::DeferredValues<float> deferred;
       deferred.w = room.data();
-      deferred.capacity = capacity;
-      deferred.pending = true;  // attend() clears it
-      run(q, K, V, S, all, got.data(), &deferred, bias, weights);
-      EXPECT_FALSE(deferred.pending) << what;
-      EXPECT_TRUE(BitEqual(got, want)) << what;
-    };
-    expect_whole("bias", S, moh::AttentionBias<float>{bias_row.data(), 0, nullptr}, {});
-    expect_whole("probabilities", S, {},
-                 moh::AttentionWeights<float>{probabilities.data(), S, nullptr});
-    expect_whole("room for fewer keys", S - 1, {}, {});
-  }
-  // A head of two panels, and keys past one block (a one-query block holds 16384): attended
-  // whole.
-  for (const auto& shape : std::vector<std::pair<Index, Index>>{{40, 2 * d}, {16384 + 5, d}}) {
-    const Index S = shape.first, width = shape.second;
-    SCOPED_TRACE(testing::Message() << "S " << S << " d " << width);
-    const Matrix<float> q = moh_test::random_matrix<float>(1, width, 420);
-    const Matrix<float> K = moh_test::random_matrix<float>(S, width, 421);
-    const Matrix<float> V = moh_test::random_matrix<float>(S, width, 422);
-    Matrix<float> want(1, width), got(1, width);
-    std::vector<float> room(static_cast<std::size_t>(S));
-    run(q, K, V, S, {false, 0, nullptr}, want.data(), nullptr);
-    moh::detail::DeferredValues<float> deferred;
-    deferred.w = room.data();
-    deferred.capacity = S;
-    run(q, K, V, S, {false, 0, nullptr}, got.data(), &deferred);
-    EXPECT_FALSE(deferred.pending);
-    EXPECT_TRUE(BitEqual(got, want));
+      deferred.capacity = S;
+      run(q, K, V, S, {false, 0, nullptr}, got.data(), &deferred);
+      EXPECT_FALSE(deferred.pending);
+      EXPECT_TRUE(BitEqual(got, want));
+    }
   }
 }
 

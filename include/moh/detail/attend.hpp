@@ -95,10 +95,10 @@ struct ScoreExtras {
 };
 
 /// Whether attend_heads() attends in pairs of heads (attend_head_pairs()): kPairedValues, one
-/// token per sequence, one query head per kv head, one-panel heads (paired_values_head()), a
-/// cache in T holding at most kDeferredKeys keys a sequence, no bias and no probabilities asked,
-/// and at least as many pairs as the pool has threads (else one head a task keeps more of them
-/// busy). Either way each head gets the same bits.
+/// token per sequence, one query head per kv head, heads of one value panel or half of one
+/// (paired_values_head()), a cache in T holding at most kDeferredKeys keys a sequence, no bias
+/// and no probabilities asked, and at least as many pairs as the pool has threads (else one head
+/// a task keeps more of them busy). Either way each head gets the same bits.
 template <class T>
 bool pairs_decode_heads(const KeyValues<T>& kv, Index batch, Index tokens, Index heads, Index d,
                         const ScoreExtras<T>& extras, const Exec& exec) {
@@ -107,15 +107,18 @@ bool pairs_decode_heads(const KeyValues<T>& kv, Index batch, Index tokens, Index
          extras.weights == nullptr && batch * ((heads + 1) / 2) >= exec.threads();
 }
 
-/// attend_heads() for one token per sequence and one query head per kv head, in one-panel
-/// heads over a cache in T (pairs_decode_heads()): heads 2p and 2p + 1 of a sequence attend in
-/// one task, their weighted values in one pass (few_query_values_pair(), two streams in memory
-/// instead of one), each head with the bits it has alone (attend()'s own, as finish_values()
-/// promises). On Zen 3 (session 26): the values of one query, 128 heads of 4096 x 64 floats from
-/// memory, read 15.7 GB/s one head at a time and 20.1 two at once in the same run (one head
-/// 16.6-17.9 in others); the D = 1024 MHA decode step (16 heads of 64, context 4096, one
-/// thread, old and new alternating in one process) took 0.91-0.92x its time at batch 8 and
-/// 0.93-0.94x at batch 1.
+/// attend_heads() for one token per sequence and one query head per kv head, in heads of one
+/// value panel or half of one over a cache in T (pairs_decode_heads()): heads 2p and 2p + 1 of a
+/// sequence attend in one task, their weighted values in one pass (few_query_values_pair(), two
+/// streams in memory instead of one), each head with the bits it has alone (attend()'s own, as
+/// finish_values() promises). On Zen 3 (session 26): the values of one query, 128 heads of 4096
+/// x 64 floats from memory, read 15.7 GB/s one head at a time and 20.1 two at once in the same
+/// run (one head 16.6-17.9 in others); the D = 1024 MHA decode step (16 heads of 64, context
+/// 4096, one thread, old and new alternating in one process) took 0.91-0.92x its time at batch 8
+/// and 0.93-0.94x at batch 1. On Zen 5 (session 27, the same way): with AVX-512 that step (heads of
+/// half a panel) 0.95x at batch 8 and 0.98x at batch 1, D = 2048 with 16 heads of 128 (one
+/// panel) 0.95x at batch 4 and 0.97x at batch 1; AVX2 code, D = 512 with 16 heads of 32 (half a
+/// panel) 0.93x at batch 8 and 0.95x at batch 1.
 template <class T>
 void attend_head_pairs(const HeadsView<T>& q, const KeyValues<T>& kv, Index batch, Index heads,
                        Index d, T scale, bool causal, T* out, const Exec& exec) {

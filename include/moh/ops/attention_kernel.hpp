@@ -734,34 +734,40 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
 }
 
 /// Whether attend_heads() pairs the heads of a decode step (attend_head_pairs()): measured on
-/// Zen 3 only; AVX-512 (its panel is 128 floats) keeps one head at a time, unmeasured paired.
-#ifdef EIGEN_VECTORIZE_AVX512
-constexpr bool kPairedValues = false;
-#else
+/// Zen 3 (AVX2, heads of one panel; session 26) and on Zen 5 (session 27: AVX-512, heads of one
+/// panel and of half of one; AVX2 code, half of one). The switch that turns the pairs off.
 constexpr bool kPairedValues = true;
-#endif
 
-/// Whether one query's weighted values over a head of d columns are one panel
-/// (value_panel_packets(1) packets: 64 floats with AVX2, 128 with AVX-512), so that two such
-/// queries over their own values can share a pass (few_query_values_pair()).
+/// Packets per head of the heads whose weighted values pair (few_query_values_pair()): one
+/// query's whole panel (value_panel_packets(1): 64 floats with AVX2, 128 with AVX-512, 32 with
+/// SSE alone), or half of it (32, 64, 16).
+constexpr int kPairedPanel = value_panel_packets(1);
+constexpr int kPairedHalfPanel = value_panel_packets(1) / 2;
+static_assert(kPairedHalfPanel * 2 == kPairedPanel, "a panel of two halves");
+
+/// Whether one query's weighted values over a head of d columns are one panel or half of one
+/// (kPairedPanel or kPairedHalfPanel packets), so that two such queries over their own values
+/// can share a pass (few_query_values_pair()).
 template <class T>
 constexpr bool paired_values_head(Index d) {
-  return tiled_head<T>(d) && d == value_panel_packets(1) * packet_size<T>();
+  return tiled_head<T>(d) && (d == kPairedPanel * packet_size<T>() ||
+                              d == kPairedHalfPanel * packet_size<T>());
 }
 
 /// a0[0 : d) += sum_c w0[c] v0_c over n0 values (rows at vs0), and a1 the same over its own
-/// n1 values, for heads of one panel (paired_values_head()): both read in one pass while both
+/// n1 values, for heads of NP packets (d: kPairedPanel or kPairedHalfPanel packets,
+/// paired_values_head()): both read in one pass while both
 /// have keys left, then the longer alone: two streams in memory where one query's values are
 /// one (measured: see attend_head_pairs() in detail/attend.hpp). Each element is one chain over
 /// its keys in order from a0 or a1, few_query_values()'s, so are its bits. With AVX2 the two
 /// heads' 16 accumulators and two weights leave 3 accumulators on the stack (GCC 12, objdump);
 /// the test program's copy of this loop, spilling the same, was the one measured.
-template <class T>
+template <class T, int NP>
 void few_query_values_pair(const T* w0, const T* v0, Index vs0, Index n0, T* a0, const T* w1,
                            const T* v1, Index vs1, Index n1, T* a1) {
   using P = GemmPacket<T>;
+  static_assert(NP == kPairedPanel || NP == kPairedHalfPanel, "heads that pair");
   constexpr Index L = packet_size<T>();
-  constexpr int NP = value_panel_packets(1);
   P acc0[NP], acc1[NP];
   MOH_DETAIL_UNROLL_REGISTERS
   for (int j = 0; j < NP; ++j) {
@@ -868,8 +874,8 @@ struct DeferredValues {
 
 /// attention() with its tiles from `arena`, and optionally the keys and values laid out once
 /// for many query blocks (`packed`, from PackedKeys::pack with the same scale), an additive bias
-/// and the probabilities to write. With `defer`, one query of a one-panel head
-/// (paired_values_head()) over keys in T that fit one block, without bias or probabilities,
+/// and the probabilities to write. With `defer`, one query of a head of one value panel or half
+/// of one (paired_values_head()) over keys in T that fit one block, without bias or probabilities,
 /// stops before its weighted values and leaves them in *defer (pending); anything else is
 /// attended whole (not pending).
 template <class T>
@@ -1146,13 +1152,19 @@ void finish_values(DeferredValues<T>* deferred, int count, Index head_dim, T* ac
     if (deferred[i].pending) pending[n++] = &deferred[i];
   if (n == 0) return;
   std::fill(acc, acc + 2 * head_dim, T(0));
-  if (n == 2)
-    few_query_values_pair<T>(pending[0]->w, pending[0]->v, pending[0]->v_stride, pending[0]->nk,
-                             acc, pending[1]->w, pending[1]->v, pending[1]->v_stride,
-                             pending[1]->nk, acc + head_dim);
-  else
-    few_query_values<T, 1>(pending[0]->w, 0, pending[0]->v, pending[0]->v_stride, pending[0]->nk,
-                           head_dim, acc, 0);
+  const auto pair = [&](auto packets) {
+    few_query_values_pair<T, decltype(packets)::value>(
+        pending[0]->w, pending[0]->v, pending[0]->v_stride, pending[0]->nk, acc, pending[1]->w,
+        pending[1]->v, pending[1]->v_stride, pending[1]->nk, acc + head_dim);
+  };
+  if (n == 2 && head_dim == kPairedPanel * packet_size<T>())
+    pair(std::integral_constant<int, kPairedPanel>{});
+  else if (n == 2 && head_dim == kPairedHalfPanel * packet_size<T>())
+    pair(std::integral_constant<int, kPairedHalfPanel>{});
+  else  // one pending query (or, never deferred so, heads that do not pair): each alone
+    for (int i = 0; i < n; ++i)
+      few_query_values<T, 1>(pending[i]->w, 0, pending[i]->v, pending[i]->v_stride,
+                             pending[i]->nk, head_dim, acc + i * head_dim, 0);
   for (int i = 0; i < n; ++i) {
     using Row = Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>;
     Row(pending[i]->out, head_dim) = Row(acc + i * head_dim, head_dim) / pending[i]->sum;
