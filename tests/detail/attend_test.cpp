@@ -110,14 +110,17 @@ TEST(HeadPlan, NoActivePairIsAnEmptyPlan) {
 
 // A decode step of one query head per kv head over heads of one value panel or half of one
 // (attend_head_pairs(): heads 2p and 2p + 1 in one task, their weighted values in one pass,
-// where kPairedValues; one head a task elsewhere) gives each head the bits that attention()
+// unless kPairedValues turns the pairs off) gives each head the bits that attention()
 // gives it alone: an odd head count (the last head alone), sequences of different lengths (a
 // ragged cache; none, one key, hundreds), causal or not (a decode query sees every key either
 // way), padding keys, a sequence whose keys are all padding (zeros), queries and keys at row
 // strides of every head, on the calling thread and on a pool of 3. The calls do take the pairs
 // where kPairedValues, and calls the pairs must not take do not.
-void expect_paired_decode_heads_have_each_heads_bits_alone(Index d) {
+// `packets`: the head's size in packets, kPairedPanel or kPairedHalfPanel.
+void expect_paired_decode_heads_have_each_heads_bits_alone(int packets) {
+  const Index d = packets * moh::detail::packet_size<float>();
   SCOPED_TRACE(testing::Message() << "head_dim " << d);
+  ASSERT_EQ(moh::detail::paired_values_packets<float>(d), packets);
   ASSERT_TRUE(moh::detail::paired_values_head<float>(d));
   const Index batch = 4, heads = 5, keys = 300;
   const Index lengths[batch] = {300, 1, 0, 137};
@@ -215,13 +218,11 @@ void expect_paired_decode_heads_have_each_heads_bits_alone(Index d) {
 }
 
 TEST(AttendHeads, PairedDecodeHeadsHaveEachHeadsBitsAlone) {
-  expect_paired_decode_heads_have_each_heads_bits_alone(moh::detail::kPairedPanel *
-                                                        moh::detail::packet_size<float>());
+  expect_paired_decode_heads_have_each_heads_bits_alone(moh::detail::kPairedPanel);
 }
 
 TEST(AttendHeads, PairedDecodeHeadsOfHalfAPanelHaveEachHeadsBitsAlone) {
-  expect_paired_decode_heads_have_each_heads_bits_alone(moh::detail::kPairedHalfPanel *
-                                                        moh::detail::packet_size<float>());
+  expect_paired_decode_heads_have_each_heads_bits_alone(moh::detail::kPairedHalfPanel);
 }
 
 }  // namespace

@@ -47,9 +47,10 @@ TEST(DecodeThreads, MhaGroupedQueryWithRope) {
 
 TEST(DecodeThreads, MhaPairedHeads) {
   // One query head per kv head, heads of one value panel (64 floats with AVX2, 128 with
-  // AVX-512) or of half of one (32, 64), 5 of them: the steps attend heads in pairs
-  // (attend_head_pairs(), where kPairedValues), the last alone. Paired against unpaired, head
-  // by head: AttendHeads.PairedDecodeHeadsHaveEachHeadsBitsAlone and ...OfHalfAPanel....
+  // AVX-512, 32 with SSE alone) or of half of one (32, 64, 16), 5 of them: the steps attend
+  // heads in pairs (attend_head_pairs(), unless kPairedValues turns them off), the last alone.
+  // Paired against unpaired, head by head: AttendHeads.PairedDecodeHeadsHaveEachHeadsBitsAlone
+  // and AttendHeads.PairedDecodeHeadsOfHalfAPanelHaveEachHeadsBitsAlone.
   const Index L = moh::detail::packet_size<float>();
   for (const Index d : {moh::detail::kPairedPanel * L, moh::detail::kPairedHalfPanel * L})
     expect_decode_independent_of_threads<moh::MultiHeadAttention<float>>(
@@ -59,7 +60,7 @@ TEST(DecodeThreads, MhaPairedHeads) {
 TEST(DecodeThreads, MhaPairedHeadsAroundThePoolSize) {
   // 2 such heads, 2 sequences: 2 pairs, so the steps pair the heads on 1 or 2 threads and
   // attend one head a task on 3 (pairs_decode_heads()): the same bits either way.
-  const Index d = moh::detail::value_panel_packets(1) * moh::detail::packet_size<float>();
+  const Index d = moh::detail::kPairedPanel * moh::detail::packet_size<float>();
   expect_decode_independent_of_threads<moh::MultiHeadAttention<float>>(
       moh_test::mha_config(2 * d, 2, 0, d), "mha paired heads, 2 pairs");
 }

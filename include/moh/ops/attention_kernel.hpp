@@ -735,7 +735,8 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
 
 /// Whether attend_heads() pairs the heads of a decode step (attend_head_pairs()): measured on
 /// Zen 3 (AVX2, heads of one panel; session 26) and on Zen 5 (session 27: AVX-512, heads of one
-/// panel and of half of one; AVX2 code, half of one). The switch that turns the pairs off.
+/// panel and of half of one; AVX2 code, half of one); SSE-only and non-x86 builds pair too,
+/// unmeasured. The switch that turns the pairs off.
 constexpr bool kPairedValues = true;
 
 /// Packets per head of the heads whose weighted values pair (few_query_values_pair()): one
@@ -745,23 +746,31 @@ constexpr int kPairedPanel = value_panel_packets(1);
 constexpr int kPairedHalfPanel = value_panel_packets(1) / 2;
 static_assert(kPairedHalfPanel * 2 == kPairedPanel, "a panel of two halves");
 
+/// The packets of a head of d columns whose weighted values pair (few_query_values_pair()):
+/// kPairedPanel for one query's whole panel, kPairedHalfPanel for half of it, else 0.
+template <class T>
+constexpr int paired_values_packets(Index d) {
+  if (!tiled_head<T>(d)) return 0;
+  if (d == kPairedPanel * packet_size<T>()) return kPairedPanel;
+  if (d == kPairedHalfPanel * packet_size<T>()) return kPairedHalfPanel;
+  return 0;
+}
+
 /// Whether one query's weighted values over a head of d columns are one panel or half of one
-/// (kPairedPanel or kPairedHalfPanel packets), so that two such queries over their own values
-/// can share a pass (few_query_values_pair()).
+/// (paired_values_packets()), so that two such queries over their own values can share a pass.
 template <class T>
 constexpr bool paired_values_head(Index d) {
-  return tiled_head<T>(d) && (d == kPairedPanel * packet_size<T>() ||
-                              d == kPairedHalfPanel * packet_size<T>());
+  return paired_values_packets<T>(d) != 0;
 }
 
 /// a0[0 : d) += sum_c w0[c] v0_c over n0 values (rows at vs0), and a1 the same over its own
-/// n1 values, for heads of NP packets (d: kPairedPanel or kPairedHalfPanel packets,
-/// paired_values_head()): both read in one pass while both
-/// have keys left, then the longer alone: two streams in memory where one query's values are
-/// one (measured: see attend_head_pairs() in detail/attend.hpp). Each element is one chain over
-/// its keys in order from a0 or a1, few_query_values()'s, so are its bits. With AVX2 the two
-/// heads' 16 accumulators and two weights leave 3 accumulators on the stack (GCC 12, objdump);
-/// the test program's copy of this loop, spilling the same, was the one measured.
+/// n1 values, for heads of NP packets (paired_values_packets(d)): both read in one pass while
+/// both have keys left, then the longer alone: two streams in memory where one query's values
+/// are one (measured: see attend_head_pairs() in detail/attend.hpp). Each element is one chain
+/// over its keys in order from a0 or a1, few_query_values()'s, so are its bits. Whole panels
+/// with AVX2: the two heads' 16 accumulators and two weights leave 3 accumulators on the stack
+/// (GCC 12, objdump); the test program's copy of this loop, spilling the same, was the one
+/// measured. Half panels take 8 accumulators, and AVX-512's whole panels 16 of its 32 registers.
 template <class T, int NP>
 void few_query_values_pair(const T* w0, const T* v0, Index vs0, Index n0, T* a0, const T* w1,
                            const T* v1, Index vs1, Index n1, T* a1) {
@@ -1157,9 +1166,10 @@ void finish_values(DeferredValues<T>* deferred, int count, Index head_dim, T* ac
         pending[0]->w, pending[0]->v, pending[0]->v_stride, pending[0]->nk, acc, pending[1]->w,
         pending[1]->v, pending[1]->v_stride, pending[1]->nk, acc + head_dim);
   };
-  if (n == 2 && head_dim == kPairedPanel * packet_size<T>())
+  const int packets = paired_values_packets<T>(head_dim);
+  if (n == 2 && packets == kPairedPanel)
     pair(std::integral_constant<int, kPairedPanel>{});
-  else if (n == 2 && head_dim == kPairedHalfPanel * packet_size<T>())
+  else if (n == 2 && packets == kPairedHalfPanel)
     pair(std::integral_constant<int, kPairedHalfPanel>{});
   else  // one pending query (or, never deferred so, heads that do not pair): each alone
     for (int i = 0; i < n; ++i)

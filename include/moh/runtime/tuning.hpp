@@ -5,8 +5,9 @@
 // Zen 4 a projection streams fastest reading six weight rows side by side (the bfloat16-weights
 // LLaMA3-8B step took 0.79x the time it took with one row at a time, the float step 0.93x;
 // bench/results/decode-operating-points.md, session 13), and so on Zen 5 since session 27 (the
-// same steps 0.85-0.86x and 0.88x, old and new alternating in one process), where session 12 had
-// measured one row at a time faster on a day when one stream read 36-41 GB/s. Nothing
+// LLaMA3-8B MHA and MoH steps, float and bfloat16, 0.78-0.89x, old and new alternating in one
+// process), where session 12 had measured one row at a time faster on a day when one stream
+// read 36-41 GB/s. Nothing
 // here changes a bit of any result: a dot product's element sums the same partial sums in the
 // same order whatever rows it is read beside, and a prefetch only asks for bytes early.
 // kernel_tuning() is chosen for the CPU it first runs on; set_kernel_tuning() replaces it.
@@ -50,9 +51,9 @@ struct KernelTuning {
   /// (sessions 11 and 13), on Zen 3 (AVX2, so at most 3 streams of float weights, 6 of
   /// bfloat16: one or two made the float LLaMA3-8B step 1.26x and 1.05x slower; prefetching its
   /// float cache undecided, 0.91-1.10x over three runs; session 19; short rows in 4 parts,
-  /// session 21, and 6, session 25) and on Zen 5 (session 27: one stream, session 12's choice
-  /// there, made the LLaMA3-8B steps 1.12-1.28x slower, four in one process, two runs of 60-80
-  /// steps alternating); Intel unmeasured.
+  /// session 21, and 6, session 25) and on Zen 5 (session 27: six streams took the LLaMA3-8B
+  /// MHA and MoH steps, float and bfloat16, 0.78-0.89x the time of one stream, session 12's
+  /// choice there; two runs of 60-80 steps alternating in one process); Intel unmeasured.
   static KernelTuning for_cpuid(unsigned ebx0, unsigned edx0, unsigned ecx0, unsigned eax1) {
     KernelTuning t;
     // "AuthenticAMD" in ebx, edx, ecx.
