@@ -2,8 +2,8 @@
 // machine's (tests/CMakeLists.txt): -fsyntax-only still instantiates the templates these calls
 // use and checks their bodies, so the decode and prefill kernels whose code differs by target
 // (value panels, heads in pairs, even/odd widening, row tiles) compile, static asserts included,
-// for AVX2, AVX-512 and plain SSE2 whatever machine builds. The header_* tests alone parse the
-// headers without instantiating them.
+// for AVX2, AVX-512, plain SSE2 and with Eigen's vectorization off, whatever machine builds. The
+// header_* tests alone parse the headers without instantiating them.
 #include "moh/moh.hpp"
 
 namespace kernel_instantiation {

@@ -182,8 +182,9 @@ constexpr Index kPackedQueries = 8;
 // LLaMA3-8B decode step (4 queries of 128 per key/value head), old and new binaries alternated
 // (3 repetitions each per round): over a bfloat16 cache the step took a median 0.95x its time
 // without (12 rounds, session 11, Zen 4), so a bfloat16 cache is always prefetched. Over a float
-// cache it took 0.90x on Zen 5 (6 rounds, session 12) but 1.06x on Zen 4 (session 11, weights
-// then read 8 rows side by side); with six and the one-key scores of session 14 the scores
+// cache it took 0.90x on Zen 5 (6 rounds, session 12; session 27, alternating in one process:
+// without it the LLaMA3-8B MHA step 0.99x, MoH 1.02x, so kept) but 1.06x on Zen 4 (session 11,
+// weights then read 8 rows side by side); with six and the one-key scores of session 14 the scores
 // took 1.28 ms of that step prefetched against 0.97 without (Zen 4, one perf run each): float
 // caches are prefetched where KernelTuning::prefetch_float_cache says. One query or two read
 // at a plain sum's rate and are not prefetched.
@@ -735,8 +736,8 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
 
 /// Whether attend_heads() pairs the heads of a decode step (attend_head_pairs()): measured on
 /// Zen 3 (AVX2, heads of one panel; session 26) and on Zen 5 (session 27: AVX-512, heads of one
-/// panel and of half of one; AVX2 code, half of one); SSE-only and non-x86 builds pair too,
-/// unmeasured. The switch that turns the pairs off.
+/// panel and of half of one; AVX2 code, half of one); SSE-only and vectorized non-x86 builds
+/// pair too, unmeasured. The switch that turns the pairs off.
 constexpr bool kPairedValues = true;
 
 /// Packets per head of the heads whose weighted values pair (few_query_values_pair()): one

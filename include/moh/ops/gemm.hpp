@@ -1072,7 +1072,9 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
 /// weight_streams 6 against 4: bfloat16 0.90x (0.85-0.95), float 0.96x (0.93-1.00), at 1024
 /// rows per call (a decode step on a pool) 0.92x and 0.98x; two rows of A, bfloat16 0.94x,
 /// float 1.03x (0.99-1.07). 6 parts of one chain against two rows of A are 12 accumulators:
-/// AVX2's 16 registers still hold them. AVX-512 keeps 4 (unmeasured with more). Fewer where
+/// AVX2's 16 registers still hold them. AVX-512 keeps 4: on Zen 5 (session 27, the MoH-LLaMA3
+/// 75% step, alternating in one process) 6 parts took 1.045x the time in float and 1.005x in
+/// bfloat16, one part 1.17x and 1.03x. Fewer where
 /// KernelTuning::weight_streams says so (set_kernel_tuning()).
 #if defined(EIGEN_VECTORIZE_AVX512)
 constexpr int kShortStreams = 4;
