@@ -326,7 +326,9 @@ void sweep_few_queries(std::initializer_list<Index> key_counts, Check check) {
 // two: four keys at a time; three or four: one key at a time) have the bits of one chain per
 // (query, key) over the packets in order and Eigen's predux (what the tail computes), for 1-4
 // queries, key counts around multiples of 16 and of the parts, and key rows at a stride wider
-// than the head. Nothing is written past the last key.
+// than the head or back to back (one query over rows back to back of 2, 4, 8 or 16 packets:
+// sixteen keys at a time at fixed offsets, one_query_sixteen_keys<T, DS>). Nothing is written
+// past the last key.
 TEST(AttentionKernel, FewQueryScoresHaveTheBitsOfOneChainPerKey) {
   using P = moh::detail::GemmPacket<float>;
   const Index L = moh::detail::packet_size<float>();
@@ -359,6 +361,26 @@ TEST(AttentionKernel, FewQueryScoresHaveTheBitsOfOneChainPerKey) {
     }
   };
   sweep_few_queries({0, 1, 15, 16, 17, 35, 48, 300}, check);
+}
+
+// One query's scores read rows back to back at fixed offsets (one_query_sixteen_keys<T, DS>)
+// exactly where the sweep above expects it: float keys of 2, 4, 8 or 16 packets with AVX-512
+// (where scaled_sums_of_sixteen() reduces them), rows at the head's size; never for other head
+// sizes, rows at a wider stride, bfloat16 keys or targets without AVX-512.
+TEST(AttentionKernel, OneQueryScoresReadRowsBackToBackAtFixedOffsets) {
+  const Index L = moh::detail::packet_size<float>();
+  const bool sixteen = moh::detail::have_sums_of_sixteen<float>();
+  for (Index packets : {Index(1), Index(2), Index(3), Index(4), Index(5), Index(8), Index(16),
+                        Index(32)}) {
+    const Index d = packets * L;
+    const bool common = packets == 2 || packets == 4 || packets == 8 || packets == 16;
+    EXPECT_EQ((moh::detail::fixed_key_rows<float, float>(d, d)), sixteen && common ? packets : 0)
+        << "packets " << packets;
+    EXPECT_EQ((moh::detail::fixed_key_rows<float, float>(d, d + L)), 0) << "packets " << packets;
+    EXPECT_EQ((moh::detail::fixed_key_rows<float, std::uint16_t>(d, d)), 0)
+        << "packets " << packets;
+  }
+  EXPECT_EQ((moh::detail::fixed_key_rows<float, float>(2 * L + 1, 2 * L + 1)), 0);
 }
 
 // A decode step's weighted values, A[r, :] += sum_c W[r, c] v_c, have the bits of one chain per

@@ -186,8 +186,9 @@ constexpr Index kPackedQueries = 8;
 // without it the LLaMA3-8B MHA step 0.99x, MoH 1.02x, so kept) but 1.06x on Zen 4 (session 11,
 // weights then read 8 rows side by side); with six and the one-key scores of session 14 the scores
 // took 1.28 ms of that step prefetched against 0.97 without (Zen 4, one perf run each): float
-// caches are prefetched where KernelTuning::prefetch_float_cache says. One query or two read
-// at a plain sum's rate and are not prefetched.
+// caches are prefetched where KernelTuning::prefetch_float_cache says. One query or two are not
+// prefetched (one query over rows back to back reads at a plain sum's rate with AVX-512:
+// one_query_sixteen_keys()).
 constexpr Index kPrefetchAhead = 4096;
 
 /// Whether the few-query kernels of NQ queries prefetch a cache of Src for compute type T.
@@ -275,6 +276,53 @@ inline void scaled_sums_of_sixteen([[maybe_unused]] const GemmPacket<T>* a,
 #endif
 }
 
+/// S[c] = scale * q . k_c for one query over the first nk / 16 * 16 keys (rows at k_stride) of a
+/// cache in T, sixteen keys at a time: each query packet loaded once for the sixteen rows (read
+/// side by side: packet x of each in turn), the sums reduced together (scaled_sums_of_sixteen(),
+/// so only where have_sums_of_sixteen<T>()). Returns the keys taken. DS > 0: rows of exactly DS
+/// packets, back to back (k_stride = head_dim = DS packets, a KvCache's rows), so that every load
+/// is at a fixed offset from one pointer. With the stride known only at run time GCC kept
+/// sixteen row pointers, some of them in vector registers, and the keys of a batch-8 D = 1024
+/// decode step (heads of 64, 4096 keys each) were read at 21-22 GB/s; with the fixed offsets
+/// 30-31, a plain sum of the same 128 MB 32 (Zen 5, session 28, medians of 15; heads of 128:
+/// 24 and 25-31). One query of 64 over 128 MB of keys in one run (session 17): 34-35 GB/s
+/// against 27 for four keys at a time.
+template <class T, int DS>
+Index one_query_sixteen_keys(const T* q, const T* k, Index k_stride, Index nk, Index head_dim,
+                             T scale, T* S) {
+  using P = GemmPacket<T>;
+  constexpr Index L = packet_size<T>();
+  const Index d = DS > 0 ? DS * L : head_dim;
+  const Index stride = DS > 0 ? DS * L : k_stride;
+  eigen_assert(stride == k_stride && "one_query_sixteen_keys: rows of DS packets, back to back");
+  Index c = 0;
+  for (; c + 16 <= nk; c += 16) {
+    P acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = Eigen::internal::pset1<P>(T(0));
+    const T* kc = k + c * stride;
+    for (Index x = 0; x < d; x += L) {
+      const P qv = Eigen::internal::ploadu<P>(q + x);
+      for (int j = 0; j < 16; ++j)
+        acc[j] = Eigen::internal::pmadd(qv, Eigen::internal::ploadu<P>(kc + j * stride + x),
+                                        acc[j]);
+    }
+    scaled_sums_of_sixteen<T>(acc, scale, S + c);
+  }
+  return c;
+}
+
+/// The packets of the rows that one_query_sixteen_keys() reads at fixed offsets for one query
+/// over keys in Src of head_dim at k_stride: the common head sizes (32-256 floats with AVX-512)
+/// in rows back to back; 0 when the rows take the run-time stride.
+template <class T, class Src>
+constexpr Index fixed_key_rows(Index head_dim, Index k_stride) {
+  if (!std::is_same<Src, T>::value || !have_sums_of_sixteen<T>() || k_stride != head_dim ||
+      head_dim % packet_size<T>() != 0)
+    return 0;
+  const Index packets = head_dim / packet_size<T>();
+  return packets == 2 || packets == 4 || packets == 8 || packets == 16 ? packets : 0;
+}
+
 /// Parts of a block's keys that the scores read side by side where AVX-512 is off: key i of
 /// each part in step, each part one stream in memory order. Standalone on Zen 3 (session 21:
 /// 64 blocks of 4096 keys of 128 from memory, medians of 11, two runs), 4 queries read a float
@@ -320,23 +368,8 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   const Index ahead = prefetch_rows(row_bytes);
   const bool prefetch = prefetch_few_query<T, NQ, Src>();
   Index c = 0;
-  if constexpr (NQ == 1 && std::is_same_v<Src, T> && have_sums_of_sixteen<T>()) {
-    // One query over a cache in T: sixteen keys at a time, each query packet loaded once for
-    // the sixteen rows (read side by side: packet x of each in turn), the sums reduced together.
-    // One query of 64 over 128 MB of keys (Zen 5, session 17): 34-35 GB/s against 27 for four
-    // keys at a time, a plain sum 36.
-    for (; c + 16 <= nk; c += 16) {
-      P acc[16];
-      for (int j = 0; j < 16; ++j) acc[j] = Eigen::internal::pset1<P>(T(0));
-      const Src* kc = k + c * k_stride;
-      for (Index x = 0; x < d; x += L) {
-        const P qv = Eigen::internal::ploadu<P>(q + x);
-        for (int j = 0; j < 16; ++j)
-          acc[j] = Eigen::internal::pmadd(qv, load_packet<T>(kc + j * k_stride + x), acc[j]);
-      }
-      scaled_sums_of_sixteen<T>(acc, scale, S + c);
-    }
-  }
+  if constexpr (NQ == 1 && std::is_same_v<Src, T> && have_sums_of_sixteen<T>())
+    c = one_query_sixteen_keys<T, 0>(q, k, k_stride, nk, d, scale, S);
   // Keys c + s part + i + j (part s < KS, step i, key j < KB of the step) in whole steps
   // (for_parts()); the keys left over one by one below. A part asks for its own keys ahead (the
   // last part also for those left over), never for the next part's, which were read already,
@@ -401,6 +434,23 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
 template <class T, int NQ, class Src>
 void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, Index nk, Index d,
                       T scale, T* S, Index ld) {
+  // One query over rows back to back: sixteen keys at a time at fixed offsets, the keys left
+  // over below.
+  if constexpr (NQ == 1 && std::is_same<Src, T>::value && have_sums_of_sixteen<T>()) {
+    Index c = 0;
+    switch (fixed_key_rows<T, Src>(d, k_stride)) {
+      case 2: c = one_query_sixteen_keys<T, 2>(q, k, k_stride, nk, d, scale, S); break;
+      case 4: c = one_query_sixteen_keys<T, 4>(q, k, k_stride, nk, d, scale, S); break;
+      case 8: c = one_query_sixteen_keys<T, 8>(q, k, k_stride, nk, d, scale, S); break;
+      case 16: c = one_query_sixteen_keys<T, 16>(q, k, k_stride, nk, d, scale, S); break;
+      default: break;
+    }
+    if (c > 0) {
+      few_query_scores_of<T, 1, 0>(q, q_stride, k + c * k_stride, k_stride, nk - c, d, scale,
+                                   S + c, ld);
+      return;
+    }
+  }
   // One query keeps the loop over d (DP = 0): with AVX-512's four neighbouring keys unrolled,
   // GCC interleaved the loads of their rows, which read the cache ~8% slower (at d = 64);
   // without AVX-512 its parts unroll it by hint.
