@@ -321,14 +321,14 @@ void sweep_few_queries(std::initializer_list<Index> key_counts, Check check) {
       }
 }
 
-// A decode step's few queries per key/value head: their scores (without AVX-512: three parts of
-// the keys side by side, one key of each at a time; with it, one query: sixteen keys at a time;
-// two: four keys at a time; three or four: one key at a time) have the bits of one chain per
-// (query, key) over the packets in order and Eigen's predux (what the tail computes), for 1-4
-// queries, key counts around multiples of 16 and of the parts, and key rows at a stride wider
-// than the head or back to back (one query over rows back to back of 2, 4, 8 or 16 packets:
-// sixteen keys at a time at fixed offsets, one_query_sixteen_keys<T, DS>). Nothing is written
-// past the last key.
+// A decode step's few queries per key/value head: their scores (score_parts() parts of the keys
+// side by side, one key of each at a time; with one part, one query: sixteen keys at a time
+// (rows back to back of 2, 4, 8 or 16 packets at fixed offsets, one_query_sixteen_keys<T, DS>),
+// one or two: four keys at a time, three or four: one key at a time) have the bits of one chain
+// per (query, key) over the packets in order and Eigen's predux (what the tail computes), for
+// 1-4 queries, key counts around multiples of 16 and of the parts, float and bfloat16 keys
+// (widened in registers: the bits of their widened floats), and key rows at a stride wider than
+// the head or back to back. Nothing is written past the last key.
 TEST(AttentionKernel, FewQueryScoresHaveTheBitsOfOneChainPerKey) {
   using P = moh::detail::GemmPacket<float>;
   const Index L = moh::detail::packet_size<float>();
@@ -338,27 +338,41 @@ TEST(AttentionKernel, FewQueryScoresHaveTheBitsOfOneChainPerKey) {
                                     << " nk " << nk);
     const Index q_stride = d + L, ld = nk + 1;
     const Matrix<float> q = moh_test::random_matrix<float>(NQ, q_stride, 90 + d);
-    const Matrix<float> K =
+    Matrix<float> K =
         moh_test::random_matrix<float>(std::max<Index>(nk, 1), k_stride, 91 + d + nk);
+    std::vector<std::uint16_t> k16(static_cast<std::size_t>(K.size()));
     const float scale = 0.37f;
     // Row-major: query r at q.data() + r * q_stride, key c at K.data() + c * k_stride.
     const float* k = K.data();
     std::vector<float> got(static_cast<std::size_t>(NQ * ld), -1.0f);
+    const auto expect_chains = [&](const char* cache) {
+      for (Index r = 0; r < NQ; ++r) {
+        for (Index c = 0; c < nk; ++c) {
+          P acc = Eigen::internal::pset1<P>(0.0f);
+          for (Index x = 0; x < d; x += L)
+            acc = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q.data() + r * q_stride + x),
+                                         Eigen::internal::ploadu<P>(k + c * k_stride + x), acc);
+          const float want = scale * Eigen::internal::predux(acc);
+          const float g = got[static_cast<std::size_t>(r * ld + c)];
+          ASSERT_EQ(std::memcmp(&g, &want, sizeof want), 0)
+              << cache << " query " << r << " key " << c << ": " << g << " vs " << want;
+        }
+        EXPECT_EQ(got[static_cast<std::size_t>(r * ld + nk)], -1.0f)
+            << cache << ": wrote past the last key";
+      }
+    };
     moh::detail::few_query_scores<float, NQ>(q.data(), q_stride, k, k_stride, nk, d, scale,
                                              got.data(), ld);
-    for (Index r = 0; r < NQ; ++r) {
-      for (Index c = 0; c < nk; ++c) {
-        P acc = Eigen::internal::pset1<P>(0.0f);
-        for (Index x = 0; x < d; x += L)
-          acc = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q.data() + r * q_stride + x),
-                                       Eigen::internal::ploadu<P>(k + c * k_stride + x), acc);
-        const float want = scale * Eigen::internal::predux(acc);
-        const float g = got[static_cast<std::size_t>(r * ld + c)];
-        ASSERT_EQ(std::memcmp(&g, &want, sizeof want), 0)
-            << "query " << r << " key " << c << ": " << g << " vs " << want;
-      }
-      EXPECT_EQ(got[static_cast<std::size_t>(r * ld + nk)], -1.0f) << "wrote past the last key";
+    expect_chains("float");
+    // The same keys rounded to bfloat16: the bits of their widened floats.
+    for (Index i = 0; i < K.size(); ++i) {
+      k16[static_cast<std::size_t>(i)] = moh::float_to_bfloat16(K.data()[i]);
+      K.data()[i] = moh::bfloat16_to_float(k16[static_cast<std::size_t>(i)]);
     }
+    std::fill(got.begin(), got.end(), -1.0f);
+    moh::detail::few_query_scores<float, NQ>(q.data(), q_stride, k16.data(), k_stride, nk, d,
+                                             scale, got.data(), ld);
+    expect_chains("bfloat16");
   };
   sweep_few_queries({0, 1, 15, 16, 17, 35, 48, 300}, check);
 }

@@ -342,21 +342,40 @@ constexpr Index fixed_key_rows(Index head_dim, Index k_stride) {
 /// 64 blocks of 4096 keys of 128 from memory, medians of 11, two runs), 4 queries read a float
 /// cache at 13.7-15.2 GB/s one key at a time, 15.8-20.2 with 2 parts, 20.6-21.8 with 3 (12
 /// accumulators, 3 key packets and a query packet: AVX2's 16 registers); one query 20.6-20.7,
-/// 18-24 and 27-31; a bfloat16 cache, bound by its widening, 11.1-12.1 and 11.5-11.8. AVX-512
-/// keeps one part (unmeasured with more; neighbouring keys in step read slower on Zen 4).
-#if defined(EIGEN_VECTORIZE_AVX512)
-constexpr int kScoreParts = 1;
-#else
+/// 18-24 and 27-31; a bfloat16 cache, bound by its widening, 11.1-12.1 and 11.5-11.8. AVX-512:
+/// see score_parts().
 constexpr int kScoreParts = 3;
+
+/// Parts of a block's keys that the scores of NQ queries read side by side (kScoreParts where
+/// AVX-512 is off). With AVX-512, one part (four neighbouring keys at a time for one or two
+/// queries, one key for more; neighbouring keys in step read slower on Zen 4) except for one or
+/// two queries over a bfloat16 cache, 4 parts, and two over a cache in T, 2. Standalone on Zen 5
+/// (session 28: 128 MB of keys from memory in heads of 4096 keys, medians of 15, two runs; GB/s
+/// of the cache's bytes for 1, 2, 3, 4 parts): bfloat16, one query of 128 13, 16, 24, 26; two
+/// 20, 20, 21, 26; four 11, 17, 16, 17; float, two queries of 64 22, 33-40, 35-38, 31; four of
+/// 128 23-28, 21-22, 21-22, 21 (a plain sum 30-42). In one process, old and new alternating
+/// with the same bits, batch-8 steps took: one query over a bfloat16 cache, heads of 64 0.92x
+/// and of 128 0.94x; two queries over a float cache (8 kv heads of 16 query heads), heads of 64
+/// 0.98x and of 128 0.93x (0.94x over a bfloat16 cache). Four queries over a bfloat16 cache in
+/// 4 parts took the LLaMA3-8B steps 1.00-1.02x, so more than two queries keep one part.
+template <class T, int NQ, class Src>
+constexpr int score_parts() {
+#if defined(EIGEN_VECTORIZE_AVX512)
+  if constexpr (NQ > 2) return 1;
+  if constexpr (!std::is_same<Src, T>::value) return 4;
+  return NQ == 2 ? 2 : 1;
+#else
+  return kScoreParts;
 #endif
+}
 
 /// S[r, c] = scale * q_r . k_c for NQ queries (rows at q_stride) and nk keys (rows at
 /// k_stride) of d = whole packets; S rows at ld. Each score is a packet-wise sum over d (one
-/// chain over the packets in order), then reduced. Where AVX-512 is off, kScoreParts parts of
+/// chain over the packets in order), then reduced. With score_parts() > 1, that many parts of
 /// the keys side by side, one key of each at a time, each key's row read once for all the
-/// queries (whose packets come from L1); the keys left over one by one. With AVX-512, up to two
-/// queries: four keys at a time, each key's row read in order (one query over a cache in T:
-/// sixteen keys, their rows read side by side); three or more: one key at a time. Two
+/// queries (whose packets come from L1); the keys left over one by one. With one part (AVX-512),
+/// up to two queries: four keys at a time, each key's row read in order (one query over a cache
+/// in T: sixteen keys, their rows read side by side); three or more: one key at a time. Two
 /// neighbouring keys in step, which load each query packet once for both, read a float cache at
 /// 13-21 GB/s where one key reads it at 24-28 (Zen 4, 4 queries of 128 over 16 MB, session 14;
 /// a plain sum 26-27), and four rows in step at 7-9: rows side by side defeat the hardware
@@ -375,7 +394,7 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   using P = GemmPacket<T>;
   constexpr Index L = packet_size<T>();
   const Index d = DP > 0 ? DP * L : head_dim;
-  constexpr int KS = kScoreParts;
+  constexpr int KS = score_parts<T, NQ, Src>();
   constexpr int KB = NQ >= 3 || KS > 1 ? 1 : 4;
   constexpr int kSums = NQ * KS * KB;
   const Index row_bytes = d * static_cast<Index>(sizeof(Src));
