@@ -322,13 +322,13 @@ void sweep_few_queries(std::initializer_list<Index> key_counts, Check check) {
 }
 
 // A decode step's few queries per key/value head: their scores (score_parts() parts of the keys
-// side by side, one key of each at a time; with one part, one query: sixteen keys at a time
-// (rows back to back of 2, 4, 8 or 16 packets at fixed offsets, one_query_sixteen_keys<T, DS>),
-// one or two: four keys at a time, three or four: one key at a time) have the bits of one chain
-// per (query, key) over the packets in order and Eigen's predux (what the tail computes), for
-// 1-4 queries, key counts around multiples of 16 and of the parts, float and bfloat16 keys
-// (widened in registers: the bits of their widened floats), and key rows at a stride wider than
-// the head or back to back. Nothing is written past the last key.
+// side by side, one key of each at a time; with one part, one query over float keys: four keys at a
+// time, sixteen where have_sums_of_sixteen() (rows back to back of 2, 4, 8 or 16 packets at fixed
+// offsets, one_query_sixteen_keys<T, DS>); three or four queries: one key at a time) have the bits
+// of one chain per (query, key) over the packets in order and Eigen's predux (what the tail
+// computes), for 1-4 queries, key counts around multiples of 16 and of the parts, float and
+// bfloat16 keys (widened in registers: the bits of their widened floats), and key rows at a stride
+// wider than the head or back to back. Nothing is written past the last key.
 TEST(AttentionKernel, FewQueryScoresHaveTheBitsOfOneChainPerKey) {
   using P = moh::detail::GemmPacket<float>;
   const Index L = moh::detail::packet_size<float>();
@@ -377,11 +377,12 @@ TEST(AttentionKernel, FewQueryScoresHaveTheBitsOfOneChainPerKey) {
   sweep_few_queries({0, 1, 15, 16, 17, 35, 48, 300}, check);
 }
 
-// One query's scores read rows back to back at fixed offsets (one_query_sixteen_keys<T, DS>)
-// exactly where the sweep above expects it: float keys of 2, 4, 8 or 16 packets with AVX-512
-// (where scaled_sums_of_sixteen() reduces them), rows at the head's size; never for other head
-// sizes, rows at a wider stride, bfloat16 keys or targets without AVX-512.
-TEST(AttentionKernel, OneQueryScoresReadRowsBackToBackAtFixedOffsets) {
+// fixed_key_rows(), which sends one query's scores to the fixed offsets of
+// one_query_sixteen_keys<T, DS>, picks exactly the heads the sweep above expects there: float
+// keys of 2, 4, 8 or 16 packets where have_sums_of_sixteen() (AVX-512 with DQ), rows at the
+// head's size; never other head sizes, rows at a wider stride, bfloat16 keys or other targets.
+// (Which path runs is checked only here: every path gives the same bits, which the sweep checks.)
+TEST(AttentionKernel, FixedKeyRowsPicksCommonHeadsBackToBack) {
   const Index L = moh::detail::packet_size<float>();
   const bool sixteen = moh::detail::have_sums_of_sixteen<float>();
   for (Index packets : {Index(1), Index(2), Index(3), Index(4), Index(5), Index(8), Index(16),

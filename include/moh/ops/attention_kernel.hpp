@@ -187,8 +187,8 @@ constexpr Index kPackedQueries = 8;
 // weights then read 8 rows side by side); with six and the one-key scores of session 14 the scores
 // took 1.28 ms of that step prefetched against 0.97 without (Zen 4, one perf run each): float
 // caches are prefetched where KernelTuning::prefetch_float_cache says. One query or two are not
-// prefetched (one query over rows back to back reads at a plain sum's rate with AVX-512:
-// one_query_sixteen_keys()).
+// prefetched this way; one query over a float cache's rows back to back asks for one line of
+// each row itself (one_query_sixteen_keys(), where have_sums_of_sixteen()).
 constexpr Index kPrefetchAhead = 4096;
 
 /// Whether the few-query kernels of NQ queries prefetch a cache of Src for compute type T.
@@ -304,7 +304,8 @@ Index one_query_sixteen_keys(const T* q, const T* k, Index k_stride, Index nk, I
   constexpr Index L = packet_size<T>();
   const Index d = DS > 0 ? DS * L : head_dim;
   const Index stride = DS > 0 ? DS * L : k_stride;
-  eigen_assert(stride == k_stride && "one_query_sixteen_keys: rows of DS packets, back to back");
+  eigen_assert(d == head_dim && stride == k_stride &&
+               "one_query_sixteen_keys: rows of DS packets, back to back");
   Index c = 0;
   for (; c + 16 <= nk; c += 16) {
     P acc[16];
@@ -326,11 +327,12 @@ Index one_query_sixteen_keys(const T* q, const T* k, Index k_stride, Index nk, I
 }
 
 /// The packets of the rows that one_query_sixteen_keys() reads at fixed offsets for one query
-/// over keys in Src of head_dim at k_stride: the common head sizes (32-256 floats with AVX-512)
-/// in rows back to back; 0 when the rows take the run-time stride.
+/// over keys in Src of head_dim at k_stride: heads of 2, 4, 8 or 16 packets (32, 64, 128 or 256
+/// floats with AVX-512) of a cache in T, in rows back to back, where have_sums_of_sixteen<T>()
+/// (AVX-512 with DQ); 0 when the rows take the run-time stride.
 template <class T, class Src>
 constexpr Index fixed_key_rows(Index head_dim, Index k_stride) {
-  if (!std::is_same<Src, T>::value || !have_sums_of_sixteen<T>() || k_stride != head_dim ||
+  if (!std::is_same_v<Src, T> || !have_sums_of_sixteen<T>() || k_stride != head_dim ||
       head_dim % packet_size<T>() != 0)
     return 0;
   const Index packets = head_dim / packet_size<T>();
@@ -347,22 +349,24 @@ constexpr Index fixed_key_rows(Index head_dim, Index k_stride) {
 constexpr int kScoreParts = 3;
 
 /// Parts of a block's keys that the scores of NQ queries read side by side (kScoreParts where
-/// AVX-512 is off). With AVX-512, one part (four neighbouring keys at a time for one or two
-/// queries, one key for more; neighbouring keys in step read slower on Zen 4) except for one or
-/// two queries over a bfloat16 cache, 4 parts, and two over a cache in T, 2. Standalone on Zen 5
-/// (session 28: 128 MB of keys from memory in heads of 4096 keys, medians of 15, two runs; GB/s
-/// of the cache's bytes for 1, 2, 3, 4 parts): bfloat16, one query of 128 13, 16, 24, 26; two
-/// 20, 20, 21, 26; four 11, 17, 16, 17; float, two queries of 64 22, 33-40, 35-38, 31; four of
-/// 128 23-28, 21-22, 21-22, 21 (a plain sum 30-42). In one process, old and new alternating
-/// with the same bits, batch-8 steps took: one query over a bfloat16 cache, heads of 64 0.92x
-/// and of 128 0.94x; two queries over a float cache (8 kv heads of 16 query heads), heads of 64
-/// 0.98x and of 128 0.93x (0.94x over a bfloat16 cache). Four queries over a bfloat16 cache in
-/// 4 parts took the LLaMA3-8B steps 1.00-1.02x, so more than two queries keep one part.
+/// AVX-512 is off). With AVX-512, one part (one query over a cache in T: four neighbouring keys at
+/// a time, sixteen with DQ; three or four queries: one key at a time; neighbouring keys in step
+/// read slower on Zen 4) except for one or two queries over a bfloat16 cache, 4 parts, and two over
+/// a cache in T, 2. NQ is a chunk of for_query_chunks(), so a group of 5-7 queries ends with a
+/// chunk of one to three (unmeasured mixes; groups of 4 and 8 have none). Standalone on Zen 5
+/// (session 28: 128 MB of keys from memory in heads of 4096 keys, medians of 15, two or four runs;
+/// GB/s of the cache's bytes for 1, 2, 3, 4 parts): bfloat16, one query of 128 11-13, 16-17, 21-24,
+/// 25-26; two 20, 20, 21, 26; four 10-11, 17, 15-16, 17; float, two queries of 64 21-22, 33-40,
+/// 24-38, 31; four of 128 23-28, 21-24, 22-28, 21-22 (a plain sum 30-42). In one process, old and
+/// new alternating with the same bits, batch-8 steps took: one query over a bfloat16 cache, heads
+/// of 64 0.92x and of 128 0.94x; two queries over a float cache (8 kv heads of 16 query heads),
+/// heads of 64 0.98x and of 128 0.93x (0.94x over a bfloat16 cache). Four queries over a bfloat16
+/// cache in 4 parts took the LLaMA3-8B steps 1.00-1.02x, so more than two queries keep one part.
 template <class T, int NQ, class Src>
 constexpr int score_parts() {
 #if defined(EIGEN_VECTORIZE_AVX512)
   if constexpr (NQ > 2) return 1;
-  if constexpr (!std::is_same<Src, T>::value) return 4;
+  if constexpr (!std::is_same_v<Src, T>) return 4;
   return NQ == 2 ? 2 : 1;
 #else
   return kScoreParts;
@@ -374,8 +378,8 @@ constexpr int score_parts() {
 /// chain over the packets in order), then reduced. With score_parts() > 1, that many parts of
 /// the keys side by side, one key of each at a time, each key's row read once for all the
 /// queries (whose packets come from L1); the keys left over one by one. With one part (AVX-512),
-/// up to two queries: four keys at a time, each key's row read in order (one query over a cache
-/// in T: sixteen keys, their rows read side by side); three or more: one key at a time. Two
+/// one query over a cache in T: four keys at a time, each key's row read in order (sixteen keys
+/// with DQ, their rows read side by side); three or more queries: one key at a time. Two
 /// neighbouring keys in step, which load each query packet once for both, read a float cache at
 /// 13-21 GB/s where one key reads it at 24-28 (Zen 4, 4 queries of 128 over 16 MB, session 14;
 /// a plain sum 26-27), and four rows in step at 7-9: rows side by side defeat the hardware
@@ -469,7 +473,7 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
                       T scale, T* S, Index ld) {
   // One query over rows back to back: sixteen keys at a time at fixed offsets, the keys left
   // over below.
-  if constexpr (NQ == 1 && std::is_same<Src, T>::value && have_sums_of_sixteen<T>()) {
+  if constexpr (NQ == 1 && std::is_same_v<Src, T> && have_sums_of_sixteen<T>()) {
     Index c = 0;
     switch (fixed_key_rows<T, Src>(d, k_stride)) {
       case 2: c = one_query_sixteen_keys<T, 2>(q, k, k_stride, nk, d, scale, S); break;
@@ -485,8 +489,9 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
     }
   }
   // One query keeps the loop over d (DP = 0): with AVX-512's four neighbouring keys unrolled,
-  // GCC interleaved the loads of their rows, which read the cache ~8% slower (at d = 64);
-  // without AVX-512 its parts unroll it by hint.
+  // GCC interleaved the loads of their rows, which read the cache ~8% slower (at d = 64); its
+  // parts (without AVX-512, or over a bfloat16 cache: score_parts()) unroll it by hint, and
+  // were measured so.
   switch (NQ > 1 ? d / packet_size<T>() : 0) {  // the common head sizes (64, 128; 32, 256)
     case 2: few_query_scores_of<T, NQ, 2>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
     case 4: few_query_scores_of<T, NQ, 4>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
