@@ -357,7 +357,7 @@ constexpr int kScoreParts = 3;
 /// (session 28: 128 MB of keys from memory in heads of 4096 keys, medians of 15, two or four runs;
 /// GB/s of the cache's bytes for 1, 2, 3, 4 parts): bfloat16, one query of 128 11-13, 16-17, 21-24,
 /// 25-26; two 20, 20, 21, 26; four 10-11, 17, 15-16, 17; float, two queries of 64 21-22, 33-40,
-/// 24-38, 31; four of 128 23-28, 21-24, 22-28, 21-22 (a plain sum 30-42). In one process, old and
+/// 24-38, 31; four of 128 23-28, 21-24, 22-28, 21-22 (a plain sum 29-42). In one process, old and
 /// new alternating with the same bits, batch-8 steps took: one query over a bfloat16 cache, heads
 /// of 64 0.92x and of 128 0.94x; two queries over a float cache (8 kv heads of 16 query heads),
 /// heads of 64 0.98x and of 128 0.93x (0.94x over a bfloat16 cache). Four queries over a bfloat16
