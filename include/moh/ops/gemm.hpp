@@ -970,22 +970,16 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
                        accumulate);
 }
 
-/// Whether one row of A reads long rows of W in parts (rows_product_long_parts()): not where
-/// AVX-512 is on, which keeps its neighbouring rows (measured so on Zen 4, not in parts).
-#if defined(EIGEN_VECTORIZE_AVX512)
-constexpr bool kLongRowParts = false;
-#else
-constexpr bool kLongRowParts = true;
-#endif
-
 /// Elements of a long row of Src that rows_product_long_parts() asks for ahead of its reads
-/// (ask_rows_ahead()): 192 of bfloat16 (384 bytes), none of float. Measured on Zen 3 only
+/// (ask_rows_ahead()): 192 of bfloat16 (384 bytes), none of float. Measured on Zen 3
 /// (session 24: the LLaMA3-8B step's projections, one row of A against W_qkv and W_o with 32 MB
 /// read between, 40 steps with and 40 without alternating in one process, medians): at 192
 /// elements bfloat16 took 0.95-0.98x the time over 8 runs; over 2 runs each, 64 elements
 /// 0.97-1.02x, 128-384 0.97-0.99x, 512 1.00x. No distance from 64 to 512 made float faster
 /// (0.99-1.03x at 64 and 128, 1.06-1.13x from 192), and the short rows' parts (96 heads' W_o
 /// slices of 4096 x 128) gained nothing at 64-512 (bfloat16 1.01-1.03x, float 1.00-1.16x).
+/// On Zen 5 (session 29, standalone, parts against neighbouring rows in two runs) bfloat16 at
+/// 384 and 768 elements was no better than at 192, nor float at 96 or 192 than at none.
 template <class Src>
 constexpr Index long_row_ahead() {
   return std::is_same<Src, std::uint16_t>::value ? 192 : 0;
@@ -1000,6 +994,12 @@ constexpr Index long_row_ahead() {
 /// MB, medians of 15, six alternating runs, session 23): bfloat16 18.5-20.4 -> 20.3-23.1 GB/s (6
 /// parts), float 23.7-25.5 -> 24.7-25.8 (3 parts); the LLaMA3-8B step's projections, parts and
 /// tiles alternating in one process, 0.90-0.92x the time in bfloat16 and 0.97-0.98x in float.
+/// AVX-512 read neighbouring rows instead until session 29, unmeasured in parts; on Zen 5 (one
+/// row of A against 6144 + 4096 rows of 4096 from memory, parts and 6 neighbouring rows
+/// alternating, medians of 30) parts took 0.70-0.74x the time in float and 0.75-0.85x in
+/// bfloat16; the LLaMA3-8B steps (both alternating in one process, two runs of 37 steps,
+/// medians, the same bits) 0.73-0.77x in float, 0.86-0.94x in bfloat16 (0.84-0.93x with a
+/// bfloat16 cache), MoH 75% 0.81-0.85x and 0.91-0.96x. Zen 4 is unmeasured in parts.
 /// Parts of bfloat16 rows also ask for their rows ahead of what they read (long_row_ahead()).
 template <class T, int G, class Src, bool kEvenOdd>
 Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, Index count, Index K,
@@ -1011,12 +1011,12 @@ Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, In
 }
 
 /// rows_product() over long rows of W: one row of A reads W in `streams` parts side by side
-/// (G = streams, at most max_streams(): rows_product_long_parts(), or `streams` neighbouring
-/// rows at a time where kLongRowParts is off; the rest one by one); more rows of A take W
-/// long_row_tile() rows at a time against pairs of A rows, so that the rows of A, re-read from
-/// L1/L2 for every tile of W, are read that many times less often; kChainByChainRows rows of A
-/// or more take W kChainTileW rows at a time chain by chain where chain_by_chain(). No rows of
-/// A: nothing is read or written. No element's bits depend on any of these.
+/// (G = streams, at most max_streams(): rows_product_long_parts(); the rest one by one); more
+/// rows of A take W long_row_tile() rows at a time against pairs of A rows, so that the rows of
+/// A, re-read from L1/L2 for every tile of W, are read that many times less often;
+/// kChainByChainRows rows of A or more take W kChainTileW rows at a time chain by chain where
+/// chain_by_chain(). No rows of A: nothing is read or written. No element's bits depend on any
+/// of these.
 /// kEvenOdd: see rows_product_long() (Ap, ldap as there).
 template <class T, class Src, bool kEvenOdd = false>
 void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count,
@@ -1046,14 +1046,10 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
     }
     tiles(std::integral_constant<int, long_row_tile<T, Src>()>{});
   } else if (n == 1) {
-    // weight_streams() parts (or tiles of neighbouring rows), compiled only up to kMost (more
-    // would not fit the registers).
+    // weight_streams() parts, compiled only up to kMost (more would not fit the registers).
     with_streams<kMost>(std::min(weight_streams(), kMost), [&](auto g_tile) {
-      if constexpr (kLongRowParts)
-        j += rows_product_long_parts<T, decltype(g_tile)::value, Src, kEvenOdd>(
-            A, lda, W + j * ldw, ldw, count - j, K, C + j, accumulate, Ap, ldap);
-      else
-        tiles(g_tile);
+      j += rows_product_long_parts<T, decltype(g_tile)::value, Src, kEvenOdd>(
+          A, lda, W + j * ldw, ldw, count - j, K, C + j, accumulate, Ap, ldap);
     });
   }
   tiles(std::integral_constant<int, 1>{});

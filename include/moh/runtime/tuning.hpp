@@ -26,8 +26,8 @@ namespace moh {
 /// Read patterns of the decode kernels (plain data; see the header comment).
 struct KernelTuning {
   /// Most weight rows of a decode product's long rows (more than 256 elements) that one row of
-  /// the input reads side by side, in [1, kMaxWeightStreams]: without AVX-512 each from its own
-  /// part of the rows, and at most 3 of float weights (6 of bfloat16 weights on AVX2). Short
+  /// the input reads side by side, in [1, kMaxWeightStreams]: each from its own part of the
+  /// rows, and without AVX-512 at most 3 of float weights (6 of bfloat16 weights on AVX2). Short
   /// rows (a head's slice of W_o) are read in this many parts side by side, at most 6 (4 with
   /// AVX-512).
   int weight_streams = 6;
