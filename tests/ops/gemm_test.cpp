@@ -426,7 +426,7 @@ TEST(RowsProduct, ReadsStridedViewsAndLeavesTheRestOfCAlone) {
   const moh::KernelTuning saved = moh::kernel_tuning();
   const Index pad = 7;
   for (Index n : {0, 1, 5})
-    for (Index count : {3, 11})
+    for (Index count : {0, 3, 11})
       for (int streams = 1; streams <= moh::KernelTuning::kMaxWeightStreams; ++streams)
         for (Index K : {Index(200), Index(309)}) {
           SCOPED_TRACE(testing::Message()
@@ -464,8 +464,9 @@ TEST(RowsProduct, ReadsStridedViewsAndLeavesTheRestOfCAlone) {
   moh::set_kernel_tuning(saved);
 }
 
-// One row of A reads long rows of W in one stream, more rows take W in tiles of rows: the bits
-// of a row are the same either way, from float and from bfloat16 weights (short rows too).
+// One row of A reads long rows of W in weight_streams() parts, more rows take W in tiles of
+// rows: the bits of a row are the same either way, from float and from bfloat16 weights (short
+// rows too).
 TEST(RowsProduct, ARowDoesNotDependOnTheOtherRows) {
   for (Index K : {moh::detail::kShortRow, Index(300), Index(333), Index(1030)})
     for (Index n : {Index(2), Index(3), moh::detail::kDotRows - 1, moh::detail::kDotRows}) {

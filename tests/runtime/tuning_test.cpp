@@ -89,7 +89,8 @@ TEST(KernelTuning, SetReplacesTheTuningAndABadOneLeavesItAlone) {
 }
 
 // One row of A against long rows of W: every stream count gives the bits of one row at a time,
-// for rows left over after the last whole group too, from float, bfloat16 and double weights.
+// for rows left over after the last whole step of parts too, from float, bfloat16 and double
+// weights.
 TEST(KernelTuning, WeightStreamsChangeNoBitOfADotProduct) {
   const TuningGuard guard;
   for (Index K : {Index(300), Index(1030)})

@@ -604,7 +604,8 @@ constexpr Index kShortRow = 256;
 /// 4 in 16).
 ///
 /// One row of A (a decode step of one sequence) reads KernelTuning::weight_streams rows of W side
-/// by side, the best pattern depending on the core (runtime/tuning.hpp). Standalone, one row of A
+/// by side, the best pattern depending on the core (runtime/tuning.hpp; the figures here are for
+/// neighbouring rows, which AVX-512 read until session 29). Standalone, one row of A
 /// against 4096 x 4096 (medians of 15): on Zen 5 (session 12) one row at a time read 36-41 GB/s
 /// from float and 31-39 from bfloat16, 8 rows side by side (one chain each) 30-34 and 25-27; on
 /// Zen 4 (session 13) one row at a time 17-20 and 15-18, six side by side 22-23 and 20-23, 8
@@ -978,8 +979,8 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
 /// 0.97-1.02x, 128-384 0.97-0.99x, 512 1.00x. No distance from 64 to 512 made float faster
 /// (0.99-1.03x at 64 and 128, 1.06-1.13x from 192), and the short rows' parts (96 heads' W_o
 /// slices of 4096 x 128) gained nothing at 64-512 (bfloat16 1.01-1.03x, float 1.00-1.16x).
-/// On Zen 5 (session 29, standalone, parts against neighbouring rows in two runs) bfloat16 at
-/// 384 and 768 elements was no better than at 192, nor float at 96 or 192 than at none.
+/// On Zen 5 (session 29, standalone, two runs) neither bfloat16 at 384 or 768 elements was
+/// better than 192 in both runs, nor float at 96 or 192 than none.
 template <class Src>
 constexpr Index long_row_ahead() {
   return std::is_same<Src, std::uint16_t>::value ? 192 : 0;
@@ -994,12 +995,14 @@ constexpr Index long_row_ahead() {
 /// MB, medians of 15, six alternating runs, session 23): bfloat16 18.5-20.4 -> 20.3-23.1 GB/s (6
 /// parts), float 23.7-25.5 -> 24.7-25.8 (3 parts); the LLaMA3-8B step's projections, parts and
 /// tiles alternating in one process, 0.90-0.92x the time in bfloat16 and 0.97-0.98x in float.
-/// AVX-512 read neighbouring rows instead until session 29, unmeasured in parts; on Zen 5 (one
-/// row of A against 6144 + 4096 rows of 4096 from memory, parts and 6 neighbouring rows
+/// AVX-512 builds read 6 neighbouring rows at a time instead until session 29 (session 27 had
+/// measured parts slower in float standalone on Zen 5, never in a step). On Zen 5 in session 29
+/// (one row of A against 6144 + 4096 rows of 4096 from memory, parts and 6 neighbouring rows
 /// alternating, medians of 30) parts took 0.70-0.74x the time in float and 0.75-0.85x in
 /// bfloat16; the LLaMA3-8B steps (both alternating in one process, two runs of 37 steps,
 /// medians, the same bits) 0.73-0.77x in float, 0.86-0.94x in bfloat16 (0.84-0.93x with a
-/// bfloat16 cache), MoH 75% 0.81-0.85x and 0.91-0.96x. Zen 4 is unmeasured in parts.
+/// bfloat16 cache), MoH 75% 0.81-0.85x in float (bfloat16 0.91-0.96x). Zen 4 is unmeasured in
+/// parts.
 /// Parts of bfloat16 rows also ask for their rows ahead of what they read (long_row_ahead()).
 template <class T, int G, class Src, bool kEvenOdd>
 Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, Index count, Index K,
@@ -1010,10 +1013,11 @@ Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, In
   });
 }
 
-/// rows_product() over long rows of W: one row of A reads W in `streams` parts side by side
-/// (G = streams, at most max_streams(): rows_product_long_parts(); the rest one by one); more
-/// rows of A take W long_row_tile() rows at a time against pairs of A rows, so that the rows of
-/// A, re-read from L1/L2 for every tile of W, are read that many times less often;
+/// rows_product() over long rows of W: one row of A reads W in weight_streams() parts side by
+/// side (at most max_streams(): rows_product_long_parts(); 1: one row at a time; the rows left
+/// over one by one); more rows of A take W long_row_tile() rows at a time against pairs of A
+/// rows, so that the rows of A, re-read from L1/L2 for every tile of W, are read that many times
+/// less often;
 /// kChainByChainRows rows of A or more take W kChainTileW rows at a time chain by chain where
 /// chain_by_chain(). No rows of A: nothing is read or written. No element's bits depend on any
 /// of these.

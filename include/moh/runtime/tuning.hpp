@@ -7,7 +7,7 @@
 // bench/results/decode-operating-points.md, session 13), and so on Zen 5 since session 27 (the
 // LLaMA3-8B MHA and MoH steps, float and bfloat16, 0.78-0.89x, old and new alternating in one
 // process), where session 12 had measured one row at a time faster on a day when one stream
-// read 36-41 GB/s. Nothing
+// read 36-41 GB/s (those were neighbouring rows with AVX-512; parts since session 29). Nothing
 // here changes a bit of any result: a dot product's element sums the same partial sums in the
 // same order whatever rows it is read beside, and a prefetch only asks for bytes early.
 // kernel_tuning() is chosen for the CPU it first runs on; set_kernel_tuning() replaces it.
@@ -27,7 +27,7 @@ namespace moh {
 struct KernelTuning {
   /// Most weight rows of a decode product's long rows (more than 256 elements) that one row of
   /// the input reads side by side, in [1, kMaxWeightStreams]: each from its own part of the
-  /// rows, and without AVX-512 at most 3 of float weights (6 of bfloat16 weights on AVX2). Short
+  /// rows, and without AVX-512 at most 3 (6 of bfloat16 weights on AVX2). Short
   /// rows (a head's slice of W_o) are read in this many parts side by side, at most 6 (4 with
   /// AVX-512).
   int weight_streams = 6;
@@ -53,7 +53,10 @@ struct KernelTuning {
   /// float cache undecided, 0.91-1.10x over three runs; session 19; short rows in 4 parts,
   /// session 21, and 6, session 25) and on Zen 5 (session 27: six streams took the LLaMA3-8B
   /// MHA and MoH steps, float and bfloat16, 0.78-0.89x the time of one stream, session 12's
-  /// choice there; two runs of 60-80 steps alternating in one process); Intel unmeasured.
+  /// choice there; two runs of 60-80 steps alternating in one process); Intel unmeasured. The
+  /// AVX-512 figures (Zen 4, Zen 5) were for six neighbouring rows; since session 29 one row of
+  /// the input reads six parts there too, measured on Zen 5 only (ops/gemm.hpp,
+  /// rows_product_long_parts()).
   static KernelTuning for_cpuid(unsigned ebx0, unsigned edx0, unsigned ecx0, unsigned eax1) {
     KernelTuning t;
     // "AuthenticAMD" in ebx, edx, ecx.
