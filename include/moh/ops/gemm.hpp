@@ -1017,10 +1017,9 @@ Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, In
 /// side (at most max_streams(): rows_product_long_parts(); 1: one row at a time; the rows left
 /// over one by one); more rows of A take W long_row_tile() rows at a time against pairs of A
 /// rows, so that the rows of A, re-read from L1/L2 for every tile of W, are read that many times
-/// less often;
-/// kChainByChainRows rows of A or more take W kChainTileW rows at a time chain by chain where
-/// chain_by_chain(). No rows of A: nothing is read or written. No element's bits depend on any
-/// of these.
+/// less often; kChainByChainRows rows of A or more take W kChainTileW rows at a time chain by
+/// chain where chain_by_chain(). No rows of A: nothing is read or written. No element's bits
+/// depend on any of these.
 /// kEvenOdd: see rows_product_long() (Ap, ldap as there).
 template <class T, class Src, bool kEvenOdd = false>
 void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count,

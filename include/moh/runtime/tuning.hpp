@@ -27,9 +27,8 @@ namespace moh {
 struct KernelTuning {
   /// Most weight rows of a decode product's long rows (more than 256 elements) that one row of
   /// the input reads side by side, in [1, kMaxWeightStreams]: each from its own part of the
-  /// rows, and without AVX-512 at most 3 (6 of bfloat16 weights on AVX2). Short
-  /// rows (a head's slice of W_o) are read in this many parts side by side, at most 6 (4 with
-  /// AVX-512).
+  /// rows, and without AVX-512 at most 3 (6 of bfloat16 weights on AVX2). Short rows (a head's
+  /// slice of W_o) are read in this many parts side by side, at most 6 (4 with AVX-512).
   int weight_streams = 6;
   /// Whether attention of 3 or more queries per key/value head over a float cache (a GQA group's
   /// decode step) prefetches the keys and values ahead of its reads. A bfloat16 cache always is.
