@@ -610,6 +610,65 @@ TEST(RowsProduct, EveryRouteGivesTheDocumentedChains) {
   moh::set_kernel_tuning(saved);
 }
 
+// Rows of W in rows_product_long_chunks()'s full chunks for Src at row length K: G parts of
+// kLongRowChunkBytes / (G K sizeof(Src)) rows (at least one).
+template <class Src>
+Index chunk_rows(Index K) {
+  constexpr Index G = moh::detail::long_row_tile<float, Src>();
+  return G * std::max<Index>(1, moh::detail::kLongRowChunkBytes / (G * K * Index(sizeof(Src))));
+}
+
+// Two rows of A or more against more rows of W than one chunk holds: two full chunks, a last
+// smaller one (two rows per part) and rows left over after it; every element has the documented
+// chains, from strided views (A, W and C each with a gap after each row), with the rest of C
+// left alone, accumulating or not, float and bfloat16 (with and without the even/odd loop).
+template <class Src>
+void check_chunks(const std::vector<Src>& Wbits, Index count, Index K, Index ldw) {
+  constexpr Index G = moh::detail::long_row_tile<float, Src>();
+  Arena arena;
+  for (Index n : {2, 3, 8})
+    for (bool accumulate : {false, true})
+      for (bool with_arena : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "bytes=" << sizeof(Src) << " n=" << n << " count="
+                                        << count << " accumulate=" << accumulate
+                                        << " arena=" << with_arena << " G=" << G);
+        const Index lda = K + 3, ldc = count + 2;
+        const Matrix<float> A = moh_test::random_matrix<float>(n, lda, 60);
+        const Matrix<float> C0 = moh_test::random_matrix<float>(n, ldc, 61);
+        Matrix<float> C = C0;
+        moh::detail::rows_product<float>(A.data(), lda, n, Wbits.data(), ldw, count, K, C.data(),
+                                         ldc, accumulate, with_arena ? &arena : nullptr);
+        Matrix<float> want = C0;
+        for (Index r = 0; r < n; ++r)
+          for (Index j = 0; j < count; ++j) {
+            const float sum = documented_chains(A.data() + r * lda, Wbits.data() + j * ldw, K);
+            want(r, j) = accumulate ? C0(r, j) + sum : sum;
+          }
+        EXPECT_TRUE(BitEqual(C, want));
+        EXPECT_EQ(arena.in_use(), 0u);
+      }
+}
+
+TEST(RowsProduct, ChunksOfPartsGiveTheDocumentedChains) {
+  constexpr Index L = sizeof(moh::detail::GemmPacket<float>) / sizeof(float);
+  const Index K = (1024 / L + 2) * L, ldw = K + 5;
+  // Float rows.
+  {
+    const Index G = moh::detail::long_row_tile<float, float>();
+    const Index count = 2 * chunk_rows<float>(K) + 2 * G + (G - 1);
+    const Matrix<float> W = moh_test::random_matrix<float>(count, ldw, 62);
+    check_chunks(std::vector<float>(W.data(), W.data() + W.size()), count, K, ldw);
+  }
+  // bfloat16 rows.
+  {
+    const Index G = moh::detail::long_row_tile<float, std::uint16_t>();
+    const Index count = 2 * chunk_rows<std::uint16_t>(K) + 2 * G + (G - 1);
+    const Matrix<float> W = moh_test::random_matrix<float>(count, ldw, 63);
+    const BFloat16Copy w(W);
+    check_chunks(w.bits, count, K, ldw);
+  }
+}
+
 // for_parts<G, kStep>: every item of the whole steps taken once, part g from its first item to
 // its last (its items in increasing order), fewer than G kStep items left, all G parts equal.
 template <int G, Index kStep>

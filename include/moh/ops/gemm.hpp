@@ -609,14 +609,15 @@ constexpr Index kShortRow = 256;
 /// against 4096 x 4096 (medians of 15): on Zen 5 (session 12) one row at a time read 36-41 GB/s
 /// from float and 31-39 from bfloat16, 8 rows side by side (one chain each) 30-34 and 25-27; on
 /// Zen 4 (session 13) one row at a time 17-20 and 15-18, six side by side 22-23 and 20-23, 8
-/// rows of one chain 21-22 and 19-22. The 8-sequence step of a D = 1024 layer, whose products are bound
-/// by loads from L1/L2 rather than memory, takes tiles of 3 rows of W (Zen 4: 8.8 GB/s against
-/// 10.2 for the old 8 rows of one chain; Zen 5: 1.01x the old step's time). In the Zen 4
-/// LLaMA3-8B steps (session 13, 4 alternating rounds) six rows side by side still took
-/// 1.12-1.19x the time of the old 8 rows of one chain (which round differently), one row at a
-/// time 1.14-1.51x. On Zen 5 again (session 27, one row of A against 2 x 4096 x 4096 from memory,
-/// 6 rows side by side and one row at a time alternating, medians of 22-24): float 0.82-0.85x the
-/// time of one row at a time, bfloat16 0.94-0.96x; the LLaMA3-8B steps 0.78-0.89x.
+/// rows of one chain 21-22 and 19-22. The 8-sequence step of a D = 1024 layer took tiles of 3
+/// rows of W (Zen 4: 8.8 GB/s against 10.2 for the old 8 rows of one chain; Zen 5: 1.01x the
+/// old step's time); since session 30 it reads chunks of 3 parts (rows_product_long_chunks()).
+/// In the Zen 4 LLaMA3-8B steps (session 13, 4 alternating rounds) six rows side by side still
+/// took 1.12-1.19x the time of the old 8 rows of one chain (which round differently), one row
+/// at a time 1.14-1.51x. On Zen 5 again (session 27, one row of A against 2 x 4096 x 4096 from
+/// memory, 6 rows side by side and one row at a time alternating, medians of 22-24): float
+/// 0.82-0.85x the time of one row at a time, bfloat16 0.94-0.96x; the LLaMA3-8B steps
+/// 0.78-0.89x.
 constexpr int kRowChains = 4;
 static_assert((kRowChains & (kRowChains - 1)) == 0, "the chains are added pairwise");
 #if defined(EIGEN_VECTORIZE_AVX512)
@@ -865,6 +866,10 @@ EIGEN_ALWAYS_INLINE void finish_chains(GemmPacket<T> (&a)[C], const T* A, const 
 /// even_odd_chains() over `Ap`, A's rows laid out by even_odd_rows() (rows at ldap): the same
 /// bits. C[r, jj] is at C[r * ldc + jj * c_step] (c_step: see rows_product_long_parts()).
 /// kAhead > 0: the steps also ask for W's rows kAhead elements ahead (ask_rows_ahead(); a hint).
+/// With G and RA both above 1, each loaded packet of A and W is held in a register
+/// (MOH_DETAIL_IN_REGISTER) for its G or RA multiply-adds: GCC otherwise takes W's packet from
+/// memory again in each (and, with W's held alone, A's), five loads for six multiply-adds
+/// becoming eight or nine. See rows_product_long_chunks() for what that gained.
 template <class T, int G, int RA, class Src, bool kEvenOdd = false, Index kAhead = 0>
 EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, Index ldw, Index K,
                                            T* C, Index ldc, bool accumulate,
@@ -881,9 +886,13 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
       for (int c = 0; c < kChains; ++c) acc[g][r][c] = Eigen::internal::pset1<P>(T(0));
   const auto chain = [&](Index k, int c) {
     P av[RA];
-    for (int r = 0; r < RA; ++r) av[r] = Eigen::internal::ploadu<P>(A + r * lda + k);
+    for (int r = 0; r < RA; ++r) {
+      av[r] = Eigen::internal::ploadu<P>(A + r * lda + k);
+      if constexpr (RA > 1 && G > 1) MOH_DETAIL_IN_REGISTER(av[r]);
+    }
     for (int g = 0; g < G; ++g) {
-      const P wv = load_packet<T>(W + g * ldw + k);
+      P wv = load_packet<T>(W + g * ldw + k);
+      if constexpr (RA > 1 && G > 1) MOH_DETAIL_IN_REGISTER(wv);
       for (int r = 0; r < RA; ++r) acc[g][r][c] = Eigen::internal::pmadd(av[r], wv, acc[g][r][c]);
     }
   };
@@ -1013,10 +1022,56 @@ Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, In
   });
 }
 
+/// Bytes of W, at most, in a chunk of rows_product_long_chunks(): the chunk stays in L2 (1 MB
+/// on Zen 4 and 5, 512 KB on Zen 3) while every pair of rows of A reads it. Session 30 on Zen 5
+/// (8 rows of A against 4096 x 1024 floats and bfloat16, 4 rows against 6144 x 4096; from
+/// memory, alternating call by call with the tiles of neighbouring rows, medians of 50): 128 KB
+/// took 0.58 / 0.66 / 0.65 / 0.92x the time of those tiles, 256 KB 0.55 / 0.65 / 0.62 / 0.91x,
+/// 384 KB 0.57 / 0.65 / 0.61 / 0.94x, 768 KB 0.65 / 0.66 / 0.64 / 0.97x, 1 MB 0.72 / 0.69 /
+/// 0.69 / 0.96x.
+constexpr Index kLongRowChunkBytes = 256 * 1024;
+
+/// C[r, j] (+)= A[r, :] . W[j, :] for r < n and the first rows j of W, two rows of A or more:
+/// W in chunks of G parts side by side, each chunk read by every pair of rows of A
+/// (for_row_pairs()) in turn, part g's t-th row in step t with the other parts'
+/// (rows_product_long() with W's row stride and C's element step times the rows per part). The
+/// first pair streams the chunk's G parts from memory, as one row of A streams
+/// rows_product_long_parts(); the other pairs find them in L2 (at most kLongRowChunkBytes a
+/// chunk). Returns the rows done, G times the rows per part of each chunk; the rows left over,
+/// fewer than G, are the caller's. Each element has the bits it has in any tile.
+///
+/// Until session 30 such rows of A read G neighbouring rows of W at a time (a tile), the tile
+/// re-read from L1 by each pair. On Zen 5, G = 3 (alternating call by call, from memory, medians
+/// of 50): float 8 rows of A against 4096 x 1024 took 0.55-0.60x the tiles' time, 2, 3 and 4
+/// rows 0.63, 0.66 and 0.63x; 2, 4 and 8 rows against 6144 x 4096 0.69, 0.63 and 0.65x; bfloat16
+/// 0.65-0.69x against 4096 x 1024 and 0.92-0.93x against 6144 x 4096. In float, chunks alone
+/// took 1.06x the tiles' time and the operands held in registers alone (rows_product_long())
+/// 1.10x: only both together gain. An AVX2 build on the same core (G = 2 for bfloat16, float
+/// keeping its rows one at a time): bfloat16 0.50-0.68x, float 0.98-1.02x.
+template <class T, int G, class Src, bool kEvenOdd>
+Index rows_product_long_chunks(const T* A, Index lda, Index n, const Src* W, Index ldw,
+                               Index count, Index K, T* C, Index ldc, bool accumulate,
+                               const T* Ap, Index ldap) {
+  const Index most = std::max<Index>(1, kLongRowChunkBytes / (G * K * Index(sizeof(Src))));
+  Index j = 0;
+  while (count - j >= G) {
+    const Index part = std::min(most, (count - j) / G);
+    for_row_pairs(n, [&](Index r, auto ra) {
+      for (Index t = 0; t < part; ++t)
+        rows_product_long<T, G, decltype(ra)::value, Src, kEvenOdd>(
+            A + r * lda, lda, W + (j + t) * ldw, part * ldw, K, C + r * ldc + j + t, ldc,
+            accumulate, kEvenOdd ? Ap + r * ldap : nullptr, ldap, part);
+    });
+    j += G * part;
+  }
+  return j;
+}
+
 /// rows_product() over long rows of W: one row of A reads W in weight_streams() parts side by
 /// side (at most max_streams(): rows_product_long_parts(); 1: one row at a time; the rows left
-/// over one by one); more rows of A take W long_row_tile() rows at a time against pairs of A
-/// rows, so that the rows of A, re-read from L1/L2 for every tile of W, are read that many times
+/// over one by one); more rows of A read W in chunks of long_row_tile() parts against pairs of
+/// A rows (rows_product_long_chunks()), or one row of W at a time where long_row_tile() is 1,
+/// so that the rows of A, re-read from L1/L2 for every step of W, are read that many times
 /// less often; kChainByChainRows rows of A or more take W kChainTileW rows at a time chain by
 /// chain where chain_by_chain(). No rows of A: nothing is read or written. No element's bits
 /// depend on any of these.
@@ -1047,7 +1102,9 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
                 A + r * lda, lda, W + j * ldw, ldw, K, C + r * ldc + j, ldc, accumulate);
           });
     }
-    tiles(std::integral_constant<int, long_row_tile<T, Src>()>{});
+    if constexpr (long_row_tile<T, Src>() > 1)
+      j += rows_product_long_chunks<T, long_row_tile<T, Src>(), Src, kEvenOdd>(
+          A, lda, n, W + j * ldw, ldw, count - j, K, C + j, ldc, accumulate, Ap, ldap);
   } else if (n == 1) {
     // weight_streams() parts, compiled only up to kMost (more would not fit the registers).
     with_streams<kMost>(std::min(weight_streams(), kMost), [&](auto g_tile) {

@@ -1,7 +1,7 @@
-// Opens a kernel header's use of MOH_DETAIL_UNROLL_REGISTERS and MOH_DETAIL_INLINE_LAMBDA;
-// detail/unroll_end.hpp closes it, so that the macros never reach code that includes moh. No
-// include guard: each kernel header includes the pair around its own code, after its own
-// includes.
+// Opens a kernel header's use of MOH_DETAIL_UNROLL_REGISTERS, MOH_DETAIL_INLINE_LAMBDA and
+// MOH_DETAIL_IN_REGISTER; detail/unroll_end.hpp closes it, so that the macros never reach code
+// that includes moh. No include guard: each kernel header includes the pair around its own code,
+// after its own includes.
 //
 // Put MOH_DETAIL_UNROLL_REGISTERS before each loop over the register arrays of a kernel (their
 // initialisation, use and store): GCC 12 unrolls such loops only after it has placed the arrays in
@@ -23,4 +23,13 @@
 #define MOH_DETAIL_INLINE_LAMBDA __attribute__((always_inline))
 #else
 #define MOH_DETAIL_INLINE_LAMBDA
+#endif
+// MOH_DETAIL_IN_REGISTER(x) tells GCC and Clang that x, a loaded packet, is in a vector register
+// and may have changed there (an empty asm statement), so that each multiply-add that uses it
+// reads that register rather than the packet's memory again: GCC folds a load into every
+// multiply-add it feeds (rows_product_long() in gemm.hpp). x86 with SSE2 only; elsewhere nothing.
+#if defined(__GNUC__) && defined(__SSE2__)
+#define MOH_DETAIL_IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define MOH_DETAIL_IN_REGISTER(x) ((void)0)
 #endif
