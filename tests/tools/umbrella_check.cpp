@@ -20,6 +20,9 @@
 #ifdef MOH_DETAIL_INLINE_LAMBDA
 #error "<moh/moh.hpp> leaves MOH_DETAIL_INLINE_LAMBDA defined"
 #endif
+#ifdef MOH_DETAIL_IN_REGISTER
+#error "<moh/moh.hpp> leaves MOH_DETAIL_IN_REGISTER defined"
+#endif
 
 #include "moh/io.hpp"
 

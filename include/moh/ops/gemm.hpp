@@ -717,7 +717,8 @@ template <class T, class Src>
 constexpr int max_streams() {
   return kMaxStreams * kRowChains / row_chains<T, Src>();
 }
-/// Rows of W per tile when more rows of A take them two at a time (kLongRowTile, likewise).
+/// Parts of W per chunk of rows_product_long_chunks() when more rows of A take them two at a
+/// time (kLongRowTile, likewise; 1: one row of W at a time, no chunks).
 template <class T, class Src>
 constexpr int long_row_tile() {
   return kLongRowTile * kRowChains / row_chains<T, Src>();
@@ -818,6 +819,10 @@ EIGEN_ALWAYS_INLINE void even_odd_chains(const float* Ap, Index lda, const std::
       for (int r = 0; r < RA; ++r) {
         ae[r] = Eigen::internal::ploadu<P>(Ap + r * lda + k + 2 * L * q);
         ao[r] = Eigen::internal::ploadu<P>(Ap + r * lda + k + 2 * L * q + L);
+        if constexpr (G > 1 && RA > 1) {  // held for their G multiply-adds each
+          MOH_DETAIL_IN_REGISTER(ae[r]);
+          MOH_DETAIL_IN_REGISTER(ao[r]);
+        }
       }
       for (int g = 0; g < G; ++g) {
         P we, wo;
@@ -866,10 +871,11 @@ EIGEN_ALWAYS_INLINE void finish_chains(GemmPacket<T> (&a)[C], const T* A, const 
 /// even_odd_chains() over `Ap`, A's rows laid out by even_odd_rows() (rows at ldap): the same
 /// bits. C[r, jj] is at C[r * ldc + jj * c_step] (c_step: see rows_product_long_parts()).
 /// kAhead > 0: the steps also ask for W's rows kAhead elements ahead (ask_rows_ahead(); a hint).
-/// With G and RA both above 1, each loaded packet of A and W is held in a register
-/// (MOH_DETAIL_IN_REGISTER) for its G or RA multiply-adds: GCC otherwise takes W's packet from
-/// memory again in each (and, with W's held alone, A's), five loads for six multiply-adds
-/// becoming eight or nine. See rows_product_long_chunks() for what that gained.
+/// With G and RA both above 1, each packet of A and W that the plain loop loads is held in a
+/// register (MOH_DETAIL_IN_REGISTER) for its G or RA multiply-adds: GCC otherwise takes W's
+/// packet from memory again in each (and, with W's held alone, A's), five loads for six
+/// multiply-adds becoming eight or nine. even_odd_chains() holds A's packets likewise. See
+/// rows_product_long_chunks() for what that gained.
 template <class T, int G, int RA, class Src, bool kEvenOdd = false, Index kAhead = 0>
 EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, Index ldw, Index K,
                                            T* C, Index ldc, bool accumulate,
@@ -1036,18 +1042,22 @@ constexpr Index kLongRowChunkBytes = 256 * 1024;
 /// (for_row_pairs()) in turn, part g's t-th row in step t with the other parts'
 /// (rows_product_long() with W's row stride and C's element step times the rows per part). The
 /// first pair streams the chunk's G parts from memory, as one row of A streams
-/// rows_product_long_parts(); the other pairs find them in L2 (at most kLongRowChunkBytes a
-/// chunk). Returns the rows done, G times the rows per part of each chunk; the rows left over,
-/// fewer than G, are the caller's. Each element has the bits it has in any tile.
+/// rows_product_long_parts() (without asking ahead: long_row_ahead() is unmeasured here); the
+/// other pairs find them in L2 (at most kLongRowChunkBytes a chunk). Returns the rows done, G
+/// times the rows per part of each chunk; the rows left over, fewer than G, are the caller's.
+/// Each element has the bits it has in any tile.
 ///
 /// Until session 30 such rows of A read G neighbouring rows of W at a time (a tile), the tile
-/// re-read from L1 by each pair. On Zen 5, G = 3 (alternating call by call, from memory, medians
-/// of 50): float 8 rows of A against 4096 x 1024 took 0.55-0.60x the tiles' time, 2, 3 and 4
-/// rows 0.63, 0.66 and 0.63x; 2, 4 and 8 rows against 6144 x 4096 0.69, 0.63 and 0.65x; bfloat16
-/// 0.65-0.69x against 4096 x 1024 and 0.92-0.93x against 6144 x 4096. In float, chunks alone
-/// took 1.06x the tiles' time and the operands held in registers alone (rows_product_long())
-/// 1.10x: only both together gain. An AVX2 build on the same core (G = 2 for bfloat16, float
-/// keeping its rows one at a time): bfloat16 0.50-0.68x, float 0.98-1.02x.
+/// re-read from L1 by each pair. On Zen 5, G = 3 (alternating call by call with the tiles, from
+/// memory, medians of 50, two runs): float 2, 3, 4 and 8 rows of A against 4096 x 1024 took
+/// 0.62-0.63, 0.66-0.67, 0.63-0.68 and 0.55-0.60x the tiles' time, 2, 4 and 8 rows against 6144
+/// x 4096 0.69-0.79, 0.63 and 0.64-0.65x; bfloat16 (even_odd_chains() holding A too) 0.59,
+/// 0.63, 0.53 and 0.48x against 4096 x 1024 and 0.68, 0.79 and 0.65x against 6144 x 4096. In
+/// float, chunks alone took 1.06x the tiles' time and the packets held in registers alone
+/// (rows_product_long()) 1.10x: only both together gain; in bfloat16, holding A's packets in
+/// even_odd_chains() took chunks 0.84-0.95x the time. An AVX2 build on the same core (G = 2 for
+/// bfloat16; float keeps one row of W at a time for 2 or 3 rows of A, chain by chain from 4):
+/// bfloat16 0.41-0.71x, float 0.96-1.00x.
 template <class T, int G, class Src, bool kEvenOdd>
 Index rows_product_long_chunks(const T* A, Index lda, Index n, const Src* W, Index ldw,
                                Index count, Index K, T* C, Index ldc, bool accumulate,
@@ -1081,7 +1091,8 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
                             Index K, T* C, Index ldc, bool accumulate, const T* Ap = nullptr,
                             Index ldap = 0) {
   Index j = 0;
-  // Rows j .. j + G - 1 of W against every row of A, two at a time, while G rows are left.
+  // Rows j .. j + G - 1 of W against every row of A, two at a time, while G rows are left (G = 1:
+  // the rows of W after the chunks, or every row where long_row_tile() is 1).
   const auto tiles = [&](auto g_tile) {
     constexpr int G = decltype(g_tile)::value;
     for (; j + G <= count; j += G)
@@ -1197,7 +1208,7 @@ void rows_product_short_rows(const T* A, Index lda, Index n, const Src* W, Index
 
 /// C[n, count] (+)= A[n, K] W[count, K]^T (a decode step's rows, a tile of a decode call's; any n
 /// for a router's few outputs, project_dots()), straight from W's storage (T or bfloat16) without
-/// packing: each weight is read once from memory (a long row, a tile of long rows, or a step's
+/// packing: each weight is read once from memory (a long row, a chunk of long rows, or a step's
 /// short rows stays in L1 or L2 while the rows of A pass over it, two at a time, sharing its
 /// loads). Each C element sums packet-wise partial sums, then reduces them (and adds the sum
 /// to C when `accumulate`); a row of C does not depend on the other rows, nor on how many rows
