@@ -1034,7 +1034,8 @@ Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, In
 /// memory, alternating call by call with the tiles of neighbouring rows, medians of 50): 128 KB
 /// took 0.58 / 0.66 / 0.65 / 0.92x the time of those tiles, 256 KB 0.55 / 0.65 / 0.62 / 0.91x,
 /// 384 KB 0.57 / 0.65 / 0.61 / 0.94x, 768 KB 0.65 / 0.66 / 0.64 / 0.97x, 1 MB 0.72 / 0.69 /
-/// 0.69 / 0.96x.
+/// 0.69 / 0.96x (before even_odd_chains() held A's packets: the bfloat16 figures are lower now,
+/// see rows_product_long_chunks()).
 constexpr Index kLongRowChunkBytes = 256 * 1024;
 
 /// C[r, j] (+)= A[r, :] . W[j, :] for r < n and the first rows j of W, two rows of A or more:
@@ -1049,15 +1050,15 @@ constexpr Index kLongRowChunkBytes = 256 * 1024;
 ///
 /// Until session 30 such rows of A read G neighbouring rows of W at a time (a tile), the tile
 /// re-read from L1 by each pair. On Zen 5, G = 3 (alternating call by call with the tiles, from
-/// memory, medians of 50, two runs): float 2, 3, 4 and 8 rows of A against 4096 x 1024 took
-/// 0.62-0.63, 0.66-0.67, 0.63-0.68 and 0.55-0.60x the tiles' time, 2, 4 and 8 rows against 6144
-/// x 4096 0.69-0.79, 0.63 and 0.64-0.65x; bfloat16 (even_odd_chains() holding A too) 0.59,
-/// 0.63, 0.53 and 0.48x against 4096 x 1024 and 0.68, 0.79 and 0.65x against 6144 x 4096. In
-/// float, chunks alone took 1.06x the tiles' time and the packets held in registers alone
-/// (rows_product_long()) 1.10x: only both together gain; in bfloat16, holding A's packets in
-/// even_odd_chains() took chunks 0.84-0.95x the time. An AVX2 build on the same core (G = 2 for
-/// bfloat16; float keeps one row of W at a time for 2 or 3 rows of A, chain by chain from 4):
-/// bfloat16 0.41-0.71x, float 0.96-1.00x.
+/// memory, medians of 50): float 2, 3, 4 and 8 rows of A against 4096 x 1024 took 0.62, 0.67,
+/// 0.68 and 0.58x the tiles' time, 2, 4 and 8 rows against 6144 x 4096 0.79, 0.63 and 0.64x;
+/// bfloat16 0.59, 0.63, 0.53 and 0.48x against 4096 x 1024 and 0.68, 0.79 and 0.65x against
+/// 6144 x 4096. In float (8 rows against 4096 x 1024, chunks of 512 KB), chunks alone took 1.06x
+/// the tiles' time and the packets held in registers alone (rows_product_long()) 1.11x: only
+/// both together gained (0.60x); in bfloat16 chunks alone gained (0.68x), and holding A's
+/// packets in even_odd_chains() then took 0.84-0.95x the time. An AVX2 build on the same core
+/// (G = 2 for bfloat16; float keeps one row of W at a time for 2 or 3 rows of A, chain by chain
+/// from 4): bfloat16 0.41-0.71x, float 0.96-1.00x.
 template <class T, int G, class Src, bool kEvenOdd>
 Index rows_product_long_chunks(const T* A, Index lda, Index n, const Src* W, Index ldw,
                                Index count, Index K, T* C, Index ldc, bool accumulate,
