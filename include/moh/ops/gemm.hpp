@@ -1092,19 +1092,8 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
                             Index K, T* C, Index ldc, bool accumulate, const T* Ap = nullptr,
                             Index ldap = 0) {
   Index j = 0;
-  // Rows j .. j + G - 1 of W against every row of A, two at a time, while G rows are left (G = 1:
-  // the rows of W after the chunks, or every row where long_row_tile() is 1).
-  const auto tiles = [&](auto g_tile) {
-    constexpr int G = decltype(g_tile)::value;
-    for (; j + G <= count; j += G)
-      for_row_pairs(n, [&](Index r, auto ra) {
-        rows_product_long<T, G, decltype(ra)::value, Src, kEvenOdd>(
-            A + r * lda, lda, W + j * ldw, ldw, K, C + r * ldc + j, ldc, accumulate,
-            kEvenOdd ? Ap + r * ldap : nullptr, ldap);
-      });
-  };
   constexpr int kMost = max_streams<T, Src>();
-  static_assert(kMost <= KernelTuning::kMaxWeightStreams, "tiles for every streams setting");
+  static_assert(kMost <= KernelTuning::kMaxWeightStreams, "parts for every streams setting");
   if (n > 1) {
     if constexpr (chain_by_chain<T, Src>()) {
       if (n >= kChainByChainRows)
@@ -1124,7 +1113,14 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
           A, lda, W + j * ldw, ldw, count - j, K, C + j, accumulate, Ap, ldap);
     });
   }
-  tiles(std::integral_constant<int, 1>{});
+  // The rows of W left (every row where long_row_tile() is 1, unless chain by chain took them),
+  // one at a time against every row of A, two at a time.
+  for (; j < count; ++j)
+    for_row_pairs(n, [&](Index r, auto ra) {
+      rows_product_long<T, 1, decltype(ra)::value, Src, kEvenOdd>(
+          A + r * lda, lda, W + j * ldw, ldw, K, C + r * ldc + j, ldc, accumulate,
+          kEvenOdd ? Ap + r * ldap : nullptr, ldap);
+    });
 }
 
 /// Rows of W that rows_product() reads side by side when they are short (K <= kShortRow), at
