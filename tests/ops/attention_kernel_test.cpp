@@ -398,6 +398,22 @@ TEST(AttentionKernel, FixedKeyRowsPicksCommonHeadsBackToBack) {
   EXPECT_EQ((moh::detail::fixed_key_rows<float, float>(2 * L + 1, 2 * L + 1)), 0);
 }
 
+// local_queries(), which copies a few queries to fixed offsets for their scores, takes them only
+// where their packets fit AVX-512's registers beside the step's sums and key packets: 2 or 3
+// queries of 8 packets, 4 of 4, never 4 of 8 (a LLaMA3-8B group, slower copied) nor a head of 16
+// packets, nor a head size known only at run time (DP = 0), nor on other targets. (The bits are
+// the same either way: the sweep above checks them.)
+TEST(AttentionKernel, LocalQueriesOnlyWhereTheyFitTheRegisters) {
+  using moh::detail::local_queries;
+  const bool avx512 = moh::detail::packet_size<float>() == 16;
+  EXPECT_EQ((local_queries<2, 8, 2, 1>()), avx512);
+  EXPECT_EQ((local_queries<3, 8, 1, 1>()), avx512);
+  EXPECT_EQ((local_queries<4, 4, 1, 1>()), avx512);
+  EXPECT_FALSE((local_queries<4, 8, 1, 1>()));
+  EXPECT_FALSE((local_queries<2, 16, 2, 1>()));
+  EXPECT_FALSE((local_queries<3, 0, 1, 1>()));
+}
+
 // A decode step's weighted values, A[r, :] += sum_c W[r, c] v_c, have the bits of one chain per
 // element over the keys in order (Eigen's pmadd, packet by packet), whatever the groups of
 // queries, the column panels and the runs of keys (value_run()) they are computed in: for 1-4

@@ -373,6 +373,30 @@ constexpr int score_parts() {
 #endif
 }
 
+/// Whether few_query_scores_of() reads its NQ queries of DP packets (DP > 0) from a copy at fixed
+/// offsets, rather than at their stride: with AVX-512, where they fit its 32 registers beside
+/// the NQ x KS x KB sums and KS key packets of a step. At the stride (known only at run time)
+/// GCC 12 kept a pointer per query packet, most in vector registers, and moved one to a general
+/// register before each multiply-add; from the copy it keeps the query packets in registers.
+/// Standalone on Zen 5 (session 31: 8 heads of 4097 keys from memory, medians of 60, the two
+/// ways alternating, two runs; time with the copy / at the stride): float keys of 64, 2 / 3 / 4
+/// queries 0.79-0.96x / 0.40-0.42x / 0.85-0.86x; of 128, 2 and 3 queries 0.87-0.90x and
+/// 0.78-1.02x; bfloat16 keys of 64 0.81-0.82x / 0.95-1.00x / 0.68-0.76x, of 128 2 and 3 queries
+/// 0.95-0.97x and 0.94-0.97x. Four float queries of 128 (32 packets, every register) took
+/// 1.48-1.77x with the copy, so they keep the stride (and so the LLaMA3-8B MHA step its code).
+/// The MoH-LLaMA3 75% step (five of its eight key/value heads with 3 of their 4 query heads
+/// active) against the MHA step, alternating in one process, 4 runs of each binary in turn:
+/// the ratio's median went from 0.940 to 0.930 with float weights and from 0.954 to 0.938 with
+/// bfloat16. Other targets keep the stride: unmeasured there.
+template <int NQ, int DP, int KS, int KB>
+constexpr bool local_queries() {
+#if defined(EIGEN_VECTORIZE_AVX512)
+  return DP > 0 && NQ * DP + NQ * KS * KB + KS <= 32;
+#else
+  return false;
+#endif
+}
+
 /// S[r, c] = scale * q_r . k_c for NQ queries (rows at q_stride) and nk keys (rows at
 /// k_stride) of d = whole packets; S rows at ld. Each score is a packet-wise sum over d (one
 /// chain over the packets in order), then reduced. With score_parts() > 1, that many parts of
@@ -404,6 +428,18 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   const Index row_bytes = d * static_cast<Index>(sizeof(Src));
   const Index ahead = prefetch_rows(row_bytes);
   const bool prefetch = prefetch_few_query<T, NQ, Src>();
+  constexpr bool kLocal = local_queries<NQ, DP, KS, KB>();
+  alignas(64) T q_local[kLocal ? NQ * DP * L : 1];
+  if constexpr (kLocal)
+    for (int r = 0; r < NQ; ++r)
+      std::copy(q + r * q_stride, q + r * q_stride + DP * L, q_local + r * DP * L);
+  // Query r's packet at column x.
+  const auto query = [&](int r, Index x) MOH_DETAIL_INLINE_LAMBDA {
+    if constexpr (kLocal)
+      return Eigen::internal::ploadu<P>(q_local + r * (DP * L) + x);
+    else
+      return Eigen::internal::ploadu<P>(q + r * q_stride + x);
+  };
   Index c = 0;
   if constexpr (NQ == 1 && std::is_same_v<Src, T> && have_sums_of_sixteen<T>())
     c = one_query_sixteen_keys<T, 0>(q, k, k_stride, nk, d, scale, S);
@@ -435,7 +471,7 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
         for (int s = 0; s < KS; ++s) kv[s] = load_packet<T>(kc + s * part * k_stride + x);
         MOH_DETAIL_UNROLL_REGISTERS
         for (int r = 0; r < NQ; ++r) {
-          const P qv = Eigen::internal::ploadu<P>(q + r * q_stride + x);
+          const P qv = query(r, x);
           MOH_DETAIL_UNROLL_REGISTERS
           for (int s = 0; s < KS; ++s) acc[r][s] = Eigen::internal::pmadd(qv, kv[s], acc[r][s]);
         }
@@ -445,8 +481,7 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
         for (Index x = 0; x < d; x += L) {
           const P kv = load_packet<T>(kc + j * k_stride + x);
           for (int r = 0; r < NQ; ++r)
-            acc[r][j] = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q + r * q_stride + x),
-                                               kv, acc[r][j]);
+            acc[r][j] = Eigen::internal::pmadd(query(r, x), kv, acc[r][j]);
         }
     }
     T sums[kSums];  // in (r, s, j) order
