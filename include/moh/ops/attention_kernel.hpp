@@ -326,6 +326,20 @@ Index one_query_sixteen_keys(const T* q, const T* k, Index k_stride, Index nk, I
   return c;
 }
 
+/// Calls fn(std::integral_constant<int, P>{}) for P = packets where that is a common head size,
+/// 2, 4, 8 or 16 packets (32, 64, 128 or 256 floats with AVX-512), which the decode kernels
+/// compile with the head's packets known; returns whether it did. The one list of those sizes.
+template <class Fn>
+constexpr bool with_head_packets(Index packets, Fn&& fn) {
+  const auto one = [&](auto p) {
+    if (packets != decltype(p)::value) return false;
+    fn(p);
+    return true;
+  };
+  return one(std::integral_constant<int, 2>{}) || one(std::integral_constant<int, 4>{}) ||
+         one(std::integral_constant<int, 8>{}) || one(std::integral_constant<int, 16>{});
+}
+
 /// The packets of the rows that one_query_sixteen_keys() reads at fixed offsets for one query
 /// over keys in Src of head_dim at k_stride: heads of 2, 4, 8 or 16 packets (32, 64, 128 or 256
 /// floats with AVX-512) of a cache in T, in rows back to back, where have_sums_of_sixteen<T>()
@@ -336,7 +350,7 @@ constexpr Index fixed_key_rows(Index head_dim, Index k_stride) {
       head_dim % packet_size<T>() != 0)
     return 0;
   const Index packets = head_dim / packet_size<T>();
-  return packets == 2 || packets == 4 || packets == 8 || packets == 16 ? packets : 0;
+  return with_head_packets(packets, [](auto) {}) ? packets : 0;
 }
 
 /// Parts of a block's keys that the scores read side by side where AVX-512 is off: key i of
@@ -510,13 +524,9 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
   // over below.
   if constexpr (NQ == 1 && std::is_same_v<Src, T> && have_sums_of_sixteen<T>()) {
     Index c = 0;
-    switch (fixed_key_rows<T, Src>(d, k_stride)) {
-      case 2: c = one_query_sixteen_keys<T, 2>(q, k, k_stride, nk, d, scale, S); break;
-      case 4: c = one_query_sixteen_keys<T, 4>(q, k, k_stride, nk, d, scale, S); break;
-      case 8: c = one_query_sixteen_keys<T, 8>(q, k, k_stride, nk, d, scale, S); break;
-      case 16: c = one_query_sixteen_keys<T, 16>(q, k, k_stride, nk, d, scale, S); break;
-      default: break;
-    }
+    with_head_packets(fixed_key_rows<T, Src>(d, k_stride), [&](auto ds) {
+      c = one_query_sixteen_keys<T, decltype(ds)::value>(q, k, k_stride, nk, d, scale, S);
+    });
     if (c > 0) {
       few_query_scores_of<T, 1, 0>(q, q_stride, k + c * k_stride, k_stride, nk - c, d, scale,
                                    S + c, ld);
@@ -527,13 +537,14 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
   // GCC interleaved the loads of their rows, which read the cache ~8% slower (at d = 64); its
   // parts (without AVX-512, or over a bfloat16 cache: score_parts()) unroll it by hint, and
   // were measured so.
-  switch (NQ > 1 ? d / packet_size<T>() : 0) {  // the common head sizes (64, 128; 32, 256)
-    case 2: few_query_scores_of<T, NQ, 2>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
-    case 4: few_query_scores_of<T, NQ, 4>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
-    case 8: few_query_scores_of<T, NQ, 8>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
-    case 16: few_query_scores_of<T, NQ, 16>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
-    default: few_query_scores_of<T, NQ, 0>(q, q_stride, k, k_stride, nk, d, scale, S, ld); break;
+  if constexpr (NQ > 1) {
+    if (with_head_packets(d / packet_size<T>(), [&](auto dp) {
+          few_query_scores_of<T, NQ, decltype(dp)::value>(q, q_stride, k, k_stride, nk, d, scale,
+                                                           S, ld);
+        }))
+      return;
   }
+  few_query_scores_of<T, NQ, 0>(q, q_stride, k, k_stride, nk, d, scale, S, ld);
 }
 
 /// Whether the passes of the weighted values over a run ask for the next run (NextRunLines):
