@@ -398,20 +398,24 @@ TEST(AttentionKernel, FixedKeyRowsPicksCommonHeadsBackToBack) {
   EXPECT_EQ((moh::detail::fixed_key_rows<float, float>(2 * L + 1, 2 * L + 1)), 0);
 }
 
-// local_queries(), which copies a few queries to fixed offsets for their scores, takes them only
-// where their packets fit AVX-512's registers beside the step's sums and key packets: 2 or 3
-// queries of 8 packets, 4 of 4, never 4 of 8 (a LLaMA3-8B group, slower copied) nor a head of 16
-// packets, nor a head size known only at run time (DP = 0), nor on other targets. (The bits are
-// the same either way: the sweep above checks them.)
+// local_queries(), which copies 2-4 float queries to fixed offsets for their scores, takes them
+// only where their packets fit AVX-512's registers beside the step's sums and key packets (with
+// AVX-512 float keys in 2 parts for 2 queries, bfloat16 keys in 4, one part for 3 or 4): 2 or 3
+// queries of 8 packets, 4 of 4, never 4 of 8 (a LLaMA3-8B group, slower copied) nor 2 of 16
+// packets, nor one query, nor a head size known only at run time (DP = 0), nor double queries,
+// nor on other targets. (The bits are the same either way: the sweep above checks them.)
 TEST(AttentionKernel, LocalQueriesOnlyWhereTheyFitTheRegisters) {
   using moh::detail::local_queries;
   const bool avx512 = moh::detail::packet_size<float>() == 16;
-  EXPECT_EQ((local_queries<2, 8, 2, 1>()), avx512);
-  EXPECT_EQ((local_queries<3, 8, 1, 1>()), avx512);
-  EXPECT_EQ((local_queries<4, 4, 1, 1>()), avx512);
-  EXPECT_FALSE((local_queries<4, 8, 1, 1>()));
-  EXPECT_FALSE((local_queries<2, 16, 2, 1>()));
-  EXPECT_FALSE((local_queries<3, 0, 1, 1>()));
+  EXPECT_EQ((local_queries<float, 2, 8, 2, 1>()), avx512);
+  EXPECT_EQ((local_queries<float, 2, 8, 4, 1>()), avx512);  // 16 + 8 + 4 = 28
+  EXPECT_EQ((local_queries<float, 3, 8, 1, 1>()), avx512);  // 24 + 3 + 1 = 28
+  EXPECT_EQ((local_queries<float, 4, 4, 1, 1>()), avx512);
+  EXPECT_FALSE((local_queries<float, 4, 8, 1, 1>()));  // 32 + 4 + 1 = 37
+  EXPECT_FALSE((local_queries<float, 2, 16, 2, 1>()));
+  EXPECT_FALSE((local_queries<float, 1, 8, 1, 4>()));
+  EXPECT_FALSE((local_queries<float, 3, 0, 1, 1>()));
+  EXPECT_FALSE((local_queries<double, 2, 4, 2, 1>()));
 }
 
 // A decode step's weighted values, A[r, :] += sum_c W[r, c] v_c, have the bits of one chain per

@@ -387,9 +387,9 @@ constexpr int score_parts() {
 #endif
 }
 
-/// Whether few_query_scores_of() reads its NQ queries of DP packets (DP > 0) from a copy at fixed
-/// offsets, rather than at their stride: with AVX-512, where they fit its 32 registers beside
-/// the NQ x KS x KB sums and KS key packets of a step. At the stride (known only at run time)
+/// Whether few_query_scores_of() reads its NQ > 1 float queries of DP packets (DP > 0) from a
+/// copy at fixed offsets, rather than at their stride: with AVX-512, where they fit its 32
+/// registers beside the NQ x KS x KB sums and KS x KB key packets of a step. At the stride (known only at run time)
 /// GCC 12 kept a pointer per query packet, most in vector registers, and moved one to a general
 /// register before each multiply-add; from the copy it keeps the query packets in registers.
 /// Standalone on Zen 5 (session 31: 8 heads of 4097 keys from memory, medians of 60, the two
@@ -402,10 +402,10 @@ constexpr int score_parts() {
 /// active) against the MHA step, alternating in one process, 4 runs of each binary in turn:
 /// the ratio's median went from 0.940 to 0.930 with float weights and from 0.954 to 0.938 with
 /// bfloat16. Other targets keep the stride: unmeasured there.
-template <int NQ, int DP, int KS, int KB>
+template <class T, int NQ, int DP, int KS, int KB>
 constexpr bool local_queries() {
 #if defined(EIGEN_VECTORIZE_AVX512)
-  return DP > 0 && NQ * DP + NQ * KS * KB + KS <= 32;
+  return std::is_same_v<T, float> && NQ > 1 && DP > 0 && NQ * DP + NQ * KS * KB + KS * KB <= 32;
 #else
   return false;
 #endif
@@ -442,8 +442,9 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
   const Index row_bytes = d * static_cast<Index>(sizeof(Src));
   const Index ahead = prefetch_rows(row_bytes);
   const bool prefetch = prefetch_few_query<T, NQ, Src>();
-  constexpr bool kLocal = local_queries<NQ, DP, KS, KB>();
-  alignas(64) T q_local[kLocal ? NQ * DP * L : 1];
+  eigen_assert((DP == 0 || head_dim == DP * L) && "few_query_scores_of: heads of DP packets");
+  constexpr bool kLocal = local_queries<T, NQ, DP, KS, KB>();
+  alignas(kLocal ? 64 : alignof(T)) T q_local[kLocal ? NQ * DP * L : 1];
   if constexpr (kLocal)
     for (int r = 0; r < NQ; ++r)
       std::copy(q + r * q_stride, q + r * q_stride + DP * L, q_local + r * DP * L);
