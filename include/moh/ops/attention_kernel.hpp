@@ -389,19 +389,20 @@ constexpr int score_parts() {
 
 /// Whether few_query_scores_of() reads its NQ > 1 float queries of DP packets (DP > 0) from a
 /// copy at fixed offsets, rather than at their stride: with AVX-512, where they fit its 32
-/// registers beside the NQ x KS x KB sums and KS x KB key packets of a step. At the stride (known only at run time)
-/// GCC 12 kept a pointer per query packet, most in vector registers, and moved one to a general
-/// register before each multiply-add; from the copy it keeps the query packets in registers.
-/// Standalone on Zen 5 (session 31: 8 heads of 4097 keys from memory, medians of 60, the two
-/// ways alternating, two runs; time with the copy / at the stride): float keys of 64, 2 / 3 / 4
-/// queries 0.79-0.96x / 0.40-0.42x / 0.85-0.86x; of 128, 2 and 3 queries 0.87-0.90x and
-/// 0.78-1.02x; bfloat16 keys of 64 0.81-0.82x / 0.95-1.00x / 0.68-0.76x, of 128 2 and 3 queries
-/// 0.95-0.97x and 0.94-0.97x. Four float queries of 128 (32 packets, every register) took
-/// 1.48-1.77x with the copy, so they keep the stride (and so the LLaMA3-8B MHA step its code).
-/// The MoH-LLaMA3 75% step (five of its eight key/value heads with 3 of their 4 query heads
-/// active) against the MHA step, alternating in one process, 4 runs of each binary in turn:
-/// the ratio's median went from 0.940 to 0.930 with float weights and from 0.954 to 0.938 with
-/// bfloat16. Other targets keep the stride: unmeasured there.
+/// registers beside the NQ x KS x KB sums and KS x KB key packets of a step. At the stride
+/// (known only at run time) GCC 12 kept a pointer per query packet, most in vector registers,
+/// and moved one to a general register before each multiply-add; from the copy it keeps the
+/// query packets in registers. Standalone on Zen 5 (session 31: 8 heads of 4097 keys from
+/// memory, medians of 60, the two ways alternating, three runs; time with the copy / at the
+/// stride): float keys of 64, 2 / 3 / 4 queries 0.75-0.96x / 0.39-0.45x / 0.85-0.86x; of 128,
+/// 2 and 3 queries 0.87-0.90x and 0.77-1.02x; bfloat16 keys of 64 0.80-0.83x / 0.95-1.00x /
+/// 0.68-0.76x, of 128 2 and 3 queries 0.95-0.97x and 0.94-0.97x. Four float queries of 128 (32
+/// packets, every register) took 1.48-1.77x with the copy (the first two runs), so they keep
+/// the stride (and so the LLaMA3-8B MHA step its code). The MoH-LLaMA3 75% step (five of its
+/// eight key/value heads with 3 of their 4 query heads active) against the MHA step,
+/// alternating in one process, 4 runs of each binary in turn: the ratio's median went from
+/// 0.940 to 0.930 with float weights and from 0.954 to 0.938 with bfloat16. Builds without
+/// AVX-512 keep the stride (unmeasured there).
 template <class T, int NQ, int DP, int KS, int KB>
 constexpr bool local_queries() {
 #if defined(EIGEN_VECTORIZE_AVX512)
