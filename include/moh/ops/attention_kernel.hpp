@@ -513,8 +513,7 @@ void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_strid
     for (int r = 0; r < NQ; ++r) {
       P acc = Eigen::internal::pset1<P>(T(0));
       for (Index x = 0; x < d; x += L)
-        acc = Eigen::internal::pmadd(Eigen::internal::ploadu<P>(q + r * q_stride + x),
-                                     load_packet<T>(k + c * k_stride + x), acc);
+        acc = Eigen::internal::pmadd(query(r, x), load_packet<T>(k + c * k_stride + x), acc);
       S[r * ld + c] = scale * Eigen::internal::predux(acc);
     }
 }
