@@ -48,7 +48,7 @@ constexpr unsigned kIntel[3] = {0x756e6547u, 0x49656e69u, 0x6c65746eu};  // "Gen
 
 TEST(KernelTuning, FloatCachesPrefetchedOnZen5AndLaterOnly) {
   const auto on = [](const unsigned* vendor, unsigned eax1) {
-    return KernelTuning::for_cpuid(vendor[0], vendor[1], vendor[2], eax1);
+    return KernelTuning::for_cpu(moh::detail::cpu_id_from_words(vendor[0], vendor[1], vendor[2], eax1));
   };
   const KernelTuning defaults;
   ASSERT_FALSE(defaults.prefetch_float_cache);
@@ -69,6 +69,25 @@ TEST(KernelTuning, FloatCachesPrefetchedOnZen5AndLaterOnly) {
     EXPECT_EQ(t.weight_streams, defaults.weight_streams) << std::hex << eax1;
     EXPECT_EQ(t.prefetch_float_cache, defaults.prefetch_float_cache) << std::hex << eax1;
   }
+}
+
+TEST(KernelTuning, CpuIdWordsDecodeToVendorFamilyAndModel) {
+  using moh::CpuVendor;
+  // An EPYC 9005 (Zen 5): base family 0xF + extended 0xB = 0x1A, model 0x0 + extended 0x2 << 4.
+  const moh::CpuId zen5 = moh::detail::cpu_id_from_words(kAmd[0], kAmd[1], kAmd[2], 0x00B00F21u);
+  EXPECT_EQ(zen5.vendor, CpuVendor::AMD);
+  EXPECT_EQ(zen5.family, 0x1Au);
+  EXPECT_EQ(zen5.model, 0x02u);
+  // A Sapphire Rapids signature: family 6 takes the extended model too (0x8 << 4 | 0xF).
+  const moh::CpuId intel =
+      moh::detail::cpu_id_from_words(kIntel[0], kIntel[1], kIntel[2], 0x000806F8u);
+  EXPECT_EQ(intel.vendor, CpuVendor::Intel);
+  EXPECT_EQ(intel.family, 6u);
+  EXPECT_EQ(intel.model, 0x8Fu);
+  // A base family other than 0xF ignores the extended family; unknown vendors are Other.
+  const moh::CpuId other = moh::detail::cpu_id_from_words(1u, 2u, 3u, 0x00B00621u);
+  EXPECT_EQ(other.vendor, CpuVendor::Other);
+  EXPECT_EQ(other.family, 6u);
 }
 
 TEST(KernelTuning, SetReplacesTheTuningAndABadOneLeavesItAlone) {

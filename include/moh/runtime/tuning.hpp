@@ -23,6 +23,46 @@
 
 namespace moh {
 
+enum class CpuVendor { Other, AMD, Intel };
+
+/// The CPU as CPUID names it: vendor and display family and model (base plus extended fields).
+struct CpuId {
+  CpuVendor vendor = CpuVendor::Other;
+  unsigned family = 0;
+  unsigned model = 0;
+
+  /// The CPU this runs on; vendor Other, family and model 0 where CPUID cannot be read.
+  static CpuId this_cpu();
+};
+
+namespace detail {
+
+/// Decodes CPUID leaf 0's ebx, edx, ecx (the vendor string) and leaf 1's eax (family, model).
+inline CpuId cpu_id_from_words(unsigned ebx0, unsigned edx0, unsigned ecx0, unsigned eax1) {
+  CpuId c;
+  if (ebx0 == 0x68747541u && edx0 == 0x69746e65u && ecx0 == 0x444d4163u)  // "AuthenticAMD"
+    c.vendor = CpuVendor::AMD;
+  else if (ebx0 == 0x756e6547u && edx0 == 0x49656e69u && ecx0 == 0x6c65746eu)  // "GenuineIntel"
+    c.vendor = CpuVendor::Intel;
+  const unsigned base = (eax1 >> 8) & 0xFu, extended = (eax1 >> 20) & 0xFFu;
+  c.family = base == 0xFu ? base + extended : base;
+  const unsigned model = (eax1 >> 4) & 0xFu, extended_model = (eax1 >> 16) & 0xFu;
+  c.model = base == 0xFu || base == 0x6u ? (extended_model << 4) + model : model;
+  return c;
+}
+
+}  // namespace detail
+
+inline CpuId CpuId::this_cpu() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0, eax1 = 0, ebx1 = 0, ecx1 = 0, edx1 = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) != 0 &&
+      __get_cpuid(1, &eax1, &ebx1, &ecx1, &edx1) != 0)
+    return detail::cpu_id_from_words(ebx, edx, ecx, eax1);
+#endif
+  return CpuId{};
+}
+
 /// Read patterns of the decode kernels (plain data; see the header comment).
 struct KernelTuning {
   /// Most weight rows of a decode product's long rows (more than 256 elements) that one row of
@@ -43,39 +83,16 @@ struct KernelTuning {
                     weight_streams);
   }
 
-  /// The tuning for a CPU that identifies itself with these CPUID words: leaf 0's ebx, edx and
-  /// ecx (the vendor) and leaf 1's eax (family, model). AMD family 26 or later (Zen 5): float
-  /// caches prefetched (session 12; session 27, one process alternating, 0.99x and 1.02x the
-  /// LLaMA3-8B MHA and MoH steps without: kept). Six weight streams everywhere: measured on Zen 4
-  /// (sessions 11 and 13), on Zen 3 (AVX2, so at most 3 streams of float weights, 6 of
-  /// bfloat16: one or two made the float LLaMA3-8B step 1.26x and 1.05x slower; prefetching its
-  /// float cache undecided, 0.91-1.10x over three runs; session 19; short rows in 4 parts,
-  /// session 21, and 6, session 25) and on Zen 5 (session 27: six streams took the LLaMA3-8B
-  /// MHA and MoH steps, float and bfloat16, 0.78-0.89x the time of one stream, session 12's
-  /// choice there; two runs of 60-80 steps alternating in one process); Intel unmeasured. The
-  /// AVX-512 figures (Zen 4, Zen 5) were for six neighbouring rows; since session 29 one row of
-  /// the input reads six parts there too, measured on Zen 5 only (ops/gemm.hpp,
-  /// rows_product_long_parts()).
-  static KernelTuning for_cpuid(unsigned ebx0, unsigned edx0, unsigned ecx0, unsigned eax1) {
+  /// The tuning for a CPU: float caches prefetched on AMD family 0x1A (Zen 5) and later, the
+  /// defaults elsewhere.
+  static KernelTuning for_cpu(const CpuId& cpu) {
     KernelTuning t;
-    // "AuthenticAMD" in ebx, edx, ecx.
-    const bool amd = ebx0 == 0x68747541u && edx0 == 0x69746e65u && ecx0 == 0x444d4163u;
-    const unsigned base = (eax1 >> 8) & 0xFu, extended = (eax1 >> 20) & 0xFFu;
-    const unsigned family = base == 0xFu ? base + extended : base;
-    if (amd && family >= 0x1Au) t.prefetch_float_cache = true;
+    if (cpu.vendor == CpuVendor::AMD && cpu.family >= 0x1Au) t.prefetch_float_cache = true;
     return t;
   }
 
-  /// for_cpuid() of the CPU this runs on; the defaults where CPUID cannot be read.
-  static KernelTuning for_this_cpu() {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0, eax1 = 0, ebx1 = 0, ecx1 = 0, edx1 = 0;
-    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) != 0 &&
-        __get_cpuid(1, &eax1, &ebx1, &ecx1, &edx1) != 0)
-      return for_cpuid(ebx, edx, ecx, eax1);
-#endif
-    return KernelTuning{};
-  }
+  /// for_cpu() of the CPU this runs on; the defaults where it cannot be identified.
+  static KernelTuning for_this_cpu() { return for_cpu(CpuId::this_cpu()); }
 };
 
 namespace detail {
