@@ -168,7 +168,32 @@ def _moh_vit_settings(module, state):
     return s
 
 
+def _refuse_rope_variants(module, kind):
+    """Refuses the RoPE settings moh does not compute (it rotates whole heads, rotate-half
+    pairs, unscaled frequencies), rather than computing as if they were not there."""
+    scaling = _attr(module, "rope_scaling")
+    if scaling is None:
+        params = _attr(module, "rope_parameters")
+        if isinstance(params, dict):
+            scaling = {k: v for k, v in params.items() if k not in ("rope_theta",)}
+    if isinstance(scaling, dict):
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in (None, "default") or scaling.get("factor", 1.0) not in (None, 1, 1.0):
+            raise _core.Error(
+                f"from_torch: {kind}: rope_scaling {scaling!r}: moh computes unscaled RoPE only: "
+                f"expected no rope_scaling (or rope_type 'default'), got rope_type {rope_type!r}")
+    elif scaling is not None:
+        raise _core.Error(f"from_torch: {kind}: rope_scaling: expected None or a dict, "
+                          f"got {scaling!r}")
+    partial = _attr(module, "partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        raise _core.Error(
+            f"from_torch: {kind}: partial_rotary_factor: moh rotates whole heads: expected 1.0, "
+            f"got {partial}")
+
+
 def _moh_llama_settings(module, state):
+    _refuse_rope_variants(module, "moh_llama")
     s = {"router": _core.MoHRouterKind.QueryNorm, "rope": True,
          "qkv_bias": "q_proj.bias" in state, "proj_bias": "o_proj.bias" in state}
     for field, names in (("embed_dim", ("embed_dim", "hidden_size")),
@@ -199,10 +224,11 @@ def _moa_settings(module, state):
 
 
 def _jetmoe_settings(module, state):
+    _refuse_rope_variants(module, "jetmoe")
     w = state["experts.input_linear.weight"]  # [E, H_kv d, D]
     s = {"embed_dim": int(w.shape[2]), "num_experts": int(w.shape[0]),
          "gating": _core.MoAGating.TopKSoftmax, "names": _core.MoANames.JetMoE, "rope": True,
-         "bias": "experts.bias" in state}
+         "out_bias": "experts.bias" in state}
     kv_heads = _attr(module, "num_kv_heads", "num_key_value_heads")
     head_dim = _attr(module, "head_dim", "kv_channels")
     if kv_heads is not None:

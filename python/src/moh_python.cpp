@@ -836,6 +836,14 @@ py::class_<PyLayer<L>, std::shared_ptr<PyLayer<L>>> bind_layer(py::module_& m, c
   cls.def_property_readonly("dtype", &P::dtype);
   cls.def_property_readonly("embed_dim", [](const P& p) { return p.visit([](const auto& l) { return l.embed_dim(); }); });
   cls.def_property_readonly("num_heads", [](const P& p) { return p.visit([](const auto& l) { return l.num_heads(); }); });
+  cls.def_property("num_experts", [](const P& p) -> py::object {
+    return p.visit([](const auto& l) -> py::object {
+      if constexpr (std::is_same<typename std::decay_t<decltype(l)>::Config, moh::MoAConfig>::value)
+        return py::int_(l.num_experts());
+      else
+        return py::none();
+    });
+  }, nullptr, "MoA's experts (E); None for the layers without experts.");
   cls.def_property_readonly("num_kv_heads", [](const P& p) { return p.visit([](const auto& l) { return l.num_kv_heads(); }); });
   cls.def_property_readonly("head_dim", [](const P& p) { return p.visit([](const auto& l) { return l.head_dim(); }); });
   cls.def_property_readonly("memory_dim", [](const P& p) { return p.visit([](const auto& l) { return l.memory_dim(); }); });

@@ -343,3 +343,25 @@ def test_bf16_weight_storage_in_config(rng, kind):
     rounded = cls(native_cfg, dtype="float32")
     rounded.load_state_dict({n: bf16.weight(n) for n, _ in bf16.weight_infos()})
     assert_close(rounded(x), b, 1e-5, "native layer with the rounded weights")
+
+
+@pytest.mark.parametrize("kind", ["moh_llama", "jetmoe"])
+@pytest.mark.parametrize("scaling, named", [
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}, "llama3"),
+    ({"type": "linear", "factor": 2.0}, "linear"),
+])
+def test_from_torch_refuses_a_rope_scaling_it_does_not_compute(mm, kind, scaling, named):
+    _, module = make_layer(mm, kind)
+    module.rope_scaling = scaling
+    with pytest.raises(moh.Error, match=f"rope_scaling.*{named}"):
+        moh.from_torch(module)
+    module.rope_scaling = {"rope_type": "default"}  # unscaled: what moh computes
+    moh.from_torch(module)
+
+
+def test_from_torch_refuses_a_partial_rotary_factor(mm):
+    _, module = make_layer(mm, "moh_llama")
+    module.partial_rotary_factor = 0.5
+    with pytest.raises(moh.Error, match="partial_rotary_factor.*expected 1.0, got 0.5"):
+        moh.from_torch(module)

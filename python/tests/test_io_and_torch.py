@@ -320,7 +320,7 @@ def test_factories_and_layer_config(rng):
     assert v.scores == moh.MoHScores.Cosine and (v.pretrain_h, v.pretrain_w) == (3, 4)
     assert v.train_tokens == 12
     j = moh.MoAConfig.jetmoe(32, 2, 4, 2, 8)
-    assert j.rope and j.bias and j.kv_heads() == 2 and j.gating == moh.MoAGating.TopKSoftmax
+    assert j.rope and j.out_bias and j.kv_heads() == 2 and j.gating == moh.MoAGating.TopKSoftmax
     layer = moh.MoAAttention(j, seed=1)
     assert layer.config == j and layer.num_kv_heads == 2 and layer.head_dim == 8
     assert layer.weights_set and "MoAAttention" in repr(layer)

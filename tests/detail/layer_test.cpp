@@ -845,11 +845,15 @@ TEST(LayerSizes, TheSameAccessorsOnEveryLayer) {
   expect_sizes(moh::MoHAttention<float>(moh_test::moh_config(12, 4, 1, 2)), 12, 4, 4, 3, "moh");
   expect_sizes(moh::MoHAttention<double>(learned_moh(), 2), 20, 8, 4, 6, "moh gqa");
   expect_sizes(moh::MoHAttention<float>(llama_moh(), moh::zero_weights), 24, 8, 2, 8, "llama");
-  // MoA: the experts are its query heads, one key/value head of head_dim.
+  // MoA: E experts of one query head each over one key/value head of head_dim.
   expect_sizes(moh::MoAAttention<float>(small_moa()), 16, 5, 1, 6, "moa");
   moh::MoAConfig one_kv = moh_test::moa_config(9, 5, 3, 1);
   one_kv.num_kv_heads = 1;
   expect_sizes(moh::MoAAttention<double>(one_kv, 3), 9, 3, 1, 5, "moa kv 1");
+  // JetMoE: E experts of H_kv query heads each, so E H_kv query heads over H_kv key/value heads.
+  const moh::MoAAttention<float> jetmoe(moh::MoAConfig::jetmoe(16, 4, 3, 2, 8), moh::zero_weights);
+  EXPECT_EQ(jetmoe.num_experts(), 3);
+  expect_sizes(jetmoe, 16, 12, 4, 8, "jetmoe");
 }
 
 // ---- weights by name ---------------------------------------------------------------------------

@@ -432,8 +432,13 @@ TYPED_TEST(FamiliesTest, KdimAndTopKAreCheckedWithNamedErrors) {
   c.top_k = 4;
   EXPECT_TRUE(ErrorMentions([&] { moh::MoAAttention<T> m(c); }, {"top_k", "1..3", "got 4"}));
   c.top_k = 2;
-  c.bias = true;
-  EXPECT_TRUE(ErrorMentions([&] { moh::MoAAttention<T> m(c); }, {"bias", "fairseq"}));
+  c.out_bias = true;
+  EXPECT_TRUE(ErrorMentions([&] { moh::MoAAttention<T> m(c); }, {"out_bias", "fairseq"}));
+  c.out_bias = false;
+  ASSERT_EQ(moh::MoAConfig{}.num_kv_heads, 1);  // fairseq's MoA
+  c.num_kv_heads = 0;
+  EXPECT_TRUE(ErrorMentions([&] { moh::MoAAttention<T> m(c); }, {"num_kv_heads", ">= 1", "got 0"}));
+  c.num_kv_heads = 1;
   const moh::MultiHeadAttention<T> mha(mha_config(12, 3), 82);
   ForwardOptions o;
   const Mask qpad = no_padding(2, 3);
@@ -570,7 +575,7 @@ TYPED_TEST(FamiliesTest, FairseqMoAIsTheOneKvHeadCaseOfTheSameLayer) {
   EXPECT_TRUE(BitEqual(run(loaded, x, causal), run(real, x, causal)));
   moh::MoAConfig named_fairseq = real.config();
   named_fairseq.names = moh::MoANames::Fairseq;
-  named_fairseq.bias = false;
+  named_fairseq.out_bias = false;
   moh::MoAAttention<T> wrong(named_fairseq);
   EXPECT_TRUE(ErrorMentions([&] { moh::load_weights(wrong, st, "model.layers.0.self_attention."); },
                             {"JetMoE", "names = jetmoe"}));
@@ -650,6 +655,33 @@ TEST(FamiliesChecks, LoadLayerRefusesForeignTensorsAndReadsOldMoHConfigs) {
     EXPECT_EQ(back.qkv_bias, bias);
     EXPECT_EQ(back.proj_bias, bias);
   }
+}
+
+TEST(FamiliesChecks, LoadWeightsRefusesAddBiasKvAndReadsOldMoAConfigs) {
+  // torch.nn.MultiheadAttention(add_bias_kv=True) saves bias_k and bias_v [1, 1, D].
+  const moh::MultiHeadAttention<float> mha(mha_config(8, 2), 11);
+  for (const char* name : {"bias_k", "bias_v"}) {
+    moh::SafeTensorsWriter w;
+    moh::save_weights(w, mha, "m.");
+    w.add(std::string("m.") + name, random_matrix<float>(1, 8, 12));
+    moh::MultiHeadAttention<float> target(mha_config(8, 2));
+    EXPECT_TRUE(ErrorMentions(
+        [&] { moh::load_weights(target, moh::SafeTensors::from_bytes(w.to_bytes()), "m."); },
+        {std::string("m.") + name, "add_bias_kv"}));
+  }
+  // A MoA config saved when its output bias was the field "bias".
+  const moh::MoAConfig c = moh::MoAConfig::jetmoe(16, 2, 3, 2, 4);
+  const moh::MoAAttention<float> saved(c, 13);
+  moh::SafeTensorsWriter old;
+  moh::save_weights(old, saved, "j.");
+  auto j = nlohmann::json::parse(moh::detail::config_json(c).dump());
+  ASSERT_TRUE(j.contains("out_bias"));
+  j.erase("out_bias");
+  j["bias"] = true;
+  old.set_metadata("j.moh.config", j.dump());
+  const moh::MoAConfig back =
+      moh::load_config<moh::MoAConfig>(moh::SafeTensors::from_bytes(old.to_bytes()), "j.");
+  EXPECT_TRUE(back.out_bias);
 }
 
 TEST(FamiliesChecks, TheKernelTakesBiasRowsAtOffsets) {

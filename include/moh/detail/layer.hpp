@@ -31,8 +31,8 @@
 #include <vector>
 
 #include "moh/detail/attend.hpp"
-#include "moh/layers/attention_config.hpp"
-#include "moh/layers/options.hpp"
+#include "moh/attention_config.hpp"
+#include "moh/options.hpp"
 #include "moh/ops/linear.hpp"
 #include "moh/ops/rope.hpp"
 #include "moh/runtime/kv_cache.hpp"
@@ -59,8 +59,6 @@ struct HeadShape {
 inline void validate_common(const AttentionConfig& c, const char* layer) {
   require(c.embed_dim > 0, layer, ": embed_dim must be positive: expected > 0, got ", c.embed_dim);
   require(c.head_dim >= 0, layer, ": head_dim must be >= 0: expected >= 0, got ", c.head_dim);
-  require(c.num_kv_heads >= 0, layer, ": num_kv_heads must be >= 0 (0 = the default): expected ",
-          ">= 0, got ", c.num_kv_heads);
   if (c.rope) require(c.rope_theta > 0, layer, ": rope_theta must be positive: expected > 0, got ",
                       c.rope_theta);
 }
@@ -105,7 +103,7 @@ class AttentionLayer {
   using RoutingRecord = Routing;
 
   Index embed_dim() const { return shape_.D; }
-  /// Query heads (MoA: experts, each with num_kv_heads query heads).
+  /// Query heads (MoAAttention counts its experts' heads, E H_kv).
   Index num_heads() const { return shape_.H; }
   Index num_kv_heads() const { return shape_.Hkv; }
   Index head_dim() const { return shape_.d; }

@@ -156,6 +156,8 @@ template <class Config>
 HeadShape heads_shape(const Config& c, const char* layer) {
   validate_common(c, layer);
   require(c.num_heads > 0, layer, ": num_heads must be positive: expected > 0, got ", c.num_heads);
+  require(c.num_kv_heads >= 0, layer, ": num_kv_heads must be >= 0 (0 = num_heads): expected ",
+          ">= 0, got ", c.num_kv_heads);
   if (c.head_dim == 0)
     require(c.embed_dim % c.num_heads == 0, layer,
             ": embed_dim must be divisible by num_heads when head_dim is 0: expected a multiple "

@@ -242,6 +242,17 @@ Config load_config(const TensorSource& st, const std::string& prefix = "") {
       fields.erase("bias");
     }
   }
+  if constexpr (std::is_same<Config, MoAConfig>::value) {
+    // Saved before the field was named for what it is: MoA's "bias" was its output bias.
+    const auto legacy = fields.find("bias");
+    if (legacy != fields.end() && !fields.contains("out_bias")) {
+      fields["out_bias"] = *legacy;
+      fields.erase("bias");
+    }
+    // Saved when MoA's num_kv_heads = 0 meant 1.
+    const auto kv = fields.find("num_kv_heads");
+    if (kv != fields.end() && kv->is_number_integer() && kv->get<long long>() == 0) *kv = 1;
+  }
   detail::ConfigReader reader(fields, where);
   Config::fields(c, reader);
   reader.finish();

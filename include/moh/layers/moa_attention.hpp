@@ -6,7 +6,7 @@
 //   for each of the k experts e a router picks for token x (moa_router.hpp), with gate w_e:
 //     q_e = x W_q^e                                W_q^e [D, H_kv d]: H_kv query heads
 //     o_e = concat_j attention(q_e head j, K_j, V_j)   (RoPE on queries and keys when set)
-//   y = sum_e w_e (o_e W_o^e) + b                  W_o^e [H_kv d, D]; b [D] when `bias`
+//   y = sum_e w_e (o_e W_o^e) + b                  W_o^e [H_kv d, D]; b [D] when `out_bias`
 // fairseq's MoA is H_kv = 1, softmax-then-top-k gates, no bias, no RoPE (tensor names
 // MoANames::Fairseq); JetMoE-8B's attention is H_kv = 16, top-k-then-softmax gates, a shared
 // bias and RoPE (MoANames::JetMoE: the tensor names of Hugging Face transformers and of the
@@ -26,9 +26,9 @@
 
 #include "moh/detail/attend.hpp"
 #include "moh/detail/layer.hpp"
-#include "moh/layers/attention_config.hpp"
+#include "moh/attention_config.hpp"
 #include "moh/layers/moa_router.hpp"
-#include "moh/layers/options.hpp"
+#include "moh/options.hpp"
 #include "moh/ops/linear.hpp"
 #include "moh/ops/weight_matrix.hpp"
 #include "moh/tensor.hpp"
@@ -50,15 +50,16 @@ struct EnumNames<MoANames> {
 };
 
 /// Sizes and settings of a MoAAttention layer. head_dim (d) is the size of every query and
-/// key/value head; each expert has num_kv_heads (H_kv, 0 means 1) query heads, head j attending
+/// key/value head; each expert has num_kv_heads (H_kv) query heads, head j attending
 /// with key/value head j.
 struct MoAConfig : AttentionConfig {
   static constexpr const char* kLayer = "MoAAttention";  // the layer this config builds
-  Index num_experts = 0;  // E
+  Index num_kv_heads = 1;  // H_kv >= 1: key/value heads, and each expert's query heads
+  Index num_experts = 0;   // E
   Index top_k = 0;        // k experts per token
   MoAGating gating = MoAGating::Softmax;
   Index kdim = 0;         // width of the memory keys and values come from; 0 = embed_dim
-  bool bias = false;      // one output bias [D] shared by all experts (JetMoE)
+  bool out_bias = false;  // one output bias [D] shared by all experts (JetMoE)
   MoANames names = MoANames::Fairseq;
 
   /// JetMoE's attention (Hugging Face transformers' JetMoeAttention / the official MoA layer):
@@ -72,14 +73,14 @@ struct MoAConfig : AttentionConfig {
     c.top_k = top_k;
     c.head_dim = head_dim;
     c.gating = MoAGating::TopKSoftmax;
-    c.bias = true;
+    c.out_bias = true;
     c.rope = true;
     c.rope_theta = rope_theta;
     c.names = MoANames::JetMoE;
     return c;
   }
 
-  Index kv_heads() const { return num_kv_heads ? num_kv_heads : 1; }
+  Index kv_heads() const { return num_kv_heads; }
   Index memory_dim() const { return kdim ? kdim : embed_dim; }
 
   /// Throws moh::Error on impossible settings.
@@ -87,6 +88,8 @@ struct MoAConfig : AttentionConfig {
     detail::validate_common(*this, kLayer);
     detail::require(head_dim > 0, "MoAAttention: head_dim must be positive: expected > 0, got ",
                     head_dim);
+    detail::require(num_kv_heads >= 1, "MoAAttention: num_kv_heads: expected >= 1 (fairseq's MoA: ",
+                    "1), got ", num_kv_heads);
     detail::require(kdim >= 0, "MoAAttention: kdim: expected >= 0 (0 = embed_dim), got ", kdim);
     if (rope)
       detail::require(head_dim % 2 == 0, "MoAAttention: RoPE needs an even head_dim: expected ",
@@ -96,8 +99,8 @@ struct MoAConfig : AttentionConfig {
     detail::require(top_k >= 1 && top_k <= num_experts,
                     "MoAAttention: top_k must be in [1, num_experts]: expected 1..", num_experts,
                     ", got ", top_k);
-    detail::require(!(bias && names == MoANames::Fairseq), "MoAAttention: bias: fairseq's MoA ",
-                    "has no output bias (no tensor name for one): expected bias = false with ",
+    detail::require(!(out_bias && names == MoANames::Fairseq), "MoAAttention: out_bias: ",
+                    "fairseq's MoA has no output bias (no tensor name for one): expected out_bias = false with ",
                     "names = fairseq, got true");
     const double E = static_cast<double>(num_experts), D = static_cast<double>(embed_dim);
     const double w = static_cast<double>(kv_heads()) * static_cast<double>(head_dim);
@@ -109,11 +112,12 @@ struct MoAConfig : AttentionConfig {
   template <class Self, class Visitor>
   static void fields(Self& c, Visitor&& v) {
     AttentionConfig::fields(c, v);
+    v("num_kv_heads", c.num_kv_heads);
     v("num_experts", c.num_experts);
     v("top_k", c.top_k);
     v("gating", c.gating);
     v("kdim", c.kdim);
-    v("bias", c.bias);
+    v("out_bias", c.out_bias);
     v("names", c.names);
   }
 };
@@ -141,7 +145,7 @@ class MoAAttention : public detail::AttentionLayer<MoAAttention<T>, T, MoARoutin
     out_experts_ = WeightMatrix<T>(E * w, D, experts, detail::kRoutedColumnTile);
     gate_.setZero(D, E);
     kv_ = WeightMatrix<T>(2 * w, config.memory_dim(), config.weight_storage);
-    if (config.bias) bias_.setZero(D);
+    if (config.out_bias) bias_.setZero(D);
   }
   /// All weights zero.
   MoAAttention(const MoAConfig& config, ZeroWeights) : MoAAttention(config) {
@@ -175,7 +179,7 @@ class MoAAttention : public detail::AttentionLayer<MoAAttention<T>, T, MoARoutin
                                   {"experts.output_linear.weight", {E, D, w}, {}, {}},
                                   {"experts.router.layer.weight", {E, D}, {}, {}},
                                   {"kv_proj.weight", {2 * w, Dkv}, {}, {}}};
-      if (c.bias) out.push_back({"experts.bias", {D}, {}, {}});
+      if (c.out_bias) out.push_back({"experts.bias", {D}, {}, {}});
       return out;
     }
     return {{"q_proj.experts.w", {E, D, w}, {}, {}},
@@ -191,15 +195,15 @@ class MoAAttention : public detail::AttentionLayer<MoAAttention<T>, T, MoARoutin
     std::vector<ForeignWeight> out;
     MoAConfig other = c;
     other.names = c.names == MoANames::JetMoE ? MoANames::Fairseq : MoANames::JetMoE;
-    other.bias = false;
+    other.out_bias = false;
     const std::string why = c.names == MoANames::JetMoE
                                 ? "fairseq MoA's name, but this layer reads JetMoE's: expected "
                                   "names = fairseq"
                                 : "JetMoE's name, but this layer reads fairseq's: expected names "
                                   "= jetmoe (MoAConfig::jetmoe)";
     for (const WeightInfo& w : weight_infos(other)) out.push_back({w.name, why});
-    if (!c.bias)
-      out.push_back({"experts.bias", "JetMoE's output bias, but this layer has bias = false"});
+    if (!c.out_bias)
+      out.push_back({"experts.bias", "JetMoE's output bias, but this layer has out_bias = false"});
     return out;
   }
 
@@ -213,6 +217,10 @@ class MoAAttention : public detail::AttentionLayer<MoAAttention<T>, T, MoARoutin
   /// Keys and values [H_kv d, kdim] each (fairseq's k_proj.weight and v_proj.weight).
   Matrix<T> key_weight() const { return kv_.values().topRows(width()); }
   Matrix<T> value_weight() const { return kv_.values().bottomRows(width()); }
+  /// Query heads: E experts of H_kv heads each (a token uses top_k H_kv of them).
+  Index num_heads() const { return config_.num_experts * config_.kv_heads(); }
+  /// Experts (E).
+  Index num_experts() const { return config_.num_experts; }
   /// The shared output bias [D], or empty.
   const Vector<T>& output_bias() const { return bias_; }
   /// Bytes of expert, key/value, gate and bias weights (halved, but for the gate and bias,
@@ -241,7 +249,7 @@ class MoAAttention : public detail::AttentionLayer<MoAAttention<T>, T, MoARoutin
     this->set_weight("k_proj.weight", Matrix<T>(kv.topRows(w)));
     this->set_weight("v_proj.weight", Matrix<T>(kv.bottomRows(w)));
   }
-  /// The output bias [D] (JetMoE's experts.bias; a layer with bias = true).
+  /// The output bias [D] (JetMoE's experts.bias; a layer with out_bias = true).
   void set_output_bias(const Vector<T>& b) { this->set_weight("experts.bias", b); }
 
  private:

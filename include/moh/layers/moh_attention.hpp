@@ -27,9 +27,9 @@
 #include "moh/detail/attend.hpp"
 #include "moh/detail/layer.hpp"
 #include "moh/detail/projections.hpp"
-#include "moh/layers/attention_config.hpp"
+#include "moh/attention_config.hpp"
 #include "moh/layers/moh_router.hpp"
-#include "moh/layers/options.hpp"
+#include "moh/options.hpp"
 #include "moh/ops/normalize.hpp"
 #include "moh/tensor.hpp"
 

@@ -17,8 +17,8 @@
 #include "moh/detail/attend.hpp"
 #include "moh/detail/layer.hpp"
 #include "moh/detail/projections.hpp"
-#include "moh/layers/attention_config.hpp"
-#include "moh/layers/options.hpp"
+#include "moh/attention_config.hpp"
+#include "moh/options.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
@@ -78,6 +78,12 @@ class MultiHeadAttention
   static std::vector<ForeignWeight> foreign_weights(const MHAConfig& c) {
     std::vector<ForeignWeight> out;
     detail::Projections<T>::foreign(c.bias, c.bias, kNames, "bias", "bias", out);
+    // torch.nn.MultiheadAttention(add_bias_kv=True) appends a learned key and value to every
+    // sequence, which this layer does not compute.
+    for (const char* name : {"bias_k", "bias_v"})
+      out.push_back({name, "torch.nn.MultiheadAttention's add_bias_kv (a learned key and value "
+                           "appended to every sequence), which MultiHeadAttention does not have: "
+                           "expected add_bias_kv=False"});
     return out;
   }
 

@@ -16,33 +16,11 @@
 #include "moh/float16.hpp"
 #include "moh/ops/gemm.hpp"
 #include "moh/ops/linear.hpp"
+#include "moh/ops/weight_storage.hpp"
 #include "moh/runtime/large_buffer.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
-
-/// How a layer stores its projection weights. Compute is always in the layer's scalar type.
-enum class WeightStorage {
-  Native,    // in T, exactly as set
-  BFloat16,  // rounded to bfloat16 (8-bit mantissa): half the memory of float
-  // In T as Native, and a second copy in the GEMM's panel layout, which the products of many
-  // rows read in place instead of packing the weights on every call: twice the memory, for the
-  // same bits. Worth it where calls have few tokens against large weights (MoH-ViT's 7 x 7
-  // stage: packing the weights on every call was 23 % of MHA's time there and 36 % of
-  // MoH-ViT's at 50 % heads); a decode step reads the first copy.
-  NativePacked,
-};
-
-template <>
-struct EnumNames<WeightStorage> {
-  static constexpr const char* names[] = {"native", "bfloat16", "native_packed"};
-};
-
-/// `s` without the packed copy: for matrices that are only read untransposed ([in, out] experts),
-/// which the packed copy does not serve.
-inline WeightStorage without_packed_copy(WeightStorage s) {
-  return s == WeightStorage::NativePacked ? WeightStorage::Native : s;
-}
 
 /// A weight matrix W[rows, cols]. By default it is stored row-major. With a `panel` width it is
 /// stored in column panels: columns [j0, j0 + w) (w = panel, less for the last) are one

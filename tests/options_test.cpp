@@ -1,7 +1,7 @@
-// ForwardOptions (moh/layers/options.hpp): its defaults, and the padding masks (key_padding_mask,
+// ForwardOptions (moh/options.hpp): its defaults, and the padding masks (key_padding_mask,
 // new_token_padding_mask), views that rebind on assignment and never write into the mask they
 // viewed before (Eigen's TensorMap assignment would copy elements).
-#include "moh/layers/options.hpp"
+#include "moh/options.hpp"
 
 #include <gtest/gtest.h>
 

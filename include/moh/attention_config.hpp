@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "moh/ops/weight_matrix.hpp"
+#include "moh/ops/weight_storage.hpp"
 #include "moh/tensor.hpp"
 
 namespace moh {
@@ -25,7 +25,6 @@ namespace moh {
 struct AttentionConfig {
   Index embed_dim = 0;     // D
   Index head_dim = 0;      // d; 0 = embed_dim / num_heads for the layers that have num_heads
-  Index num_kv_heads = 0;  // H_kv; 0 = num_heads (MHA, MoH), 1 (MoA)
   bool rope = false;       // rotary position embedding on queries and keys (SEMANTICS 4)
   double rope_theta = 10000.0;
   WeightStorage weight_storage = WeightStorage::Native;  // projections in T, bfloat16, T + packed
@@ -35,7 +34,6 @@ struct AttentionConfig {
   static void fields(Self& c, Visitor&& v) {
     v("embed_dim", c.embed_dim);
     v("head_dim", c.head_dim);
-    v("num_kv_heads", c.num_kv_heads);
     v("rope", c.rope);
     v("rope_theta", c.rope_theta);
     v("weight_storage", c.weight_storage);
@@ -44,12 +42,14 @@ struct AttentionConfig {
 
 /// Fields of the layers with H query heads of their own (MultiHeadAttention, MoHAttention).
 struct HeadsConfig : AttentionConfig {
-  Index num_heads = 0;  // H
+  Index num_heads = 0;     // H
+  Index num_kv_heads = 0;  // H_kv, dividing H; 0 = num_heads
 
   template <class Self, class Visitor>
   static void fields(Self& c, Visitor&& v) {
     AttentionConfig::fields(c, v);
     v("num_heads", c.num_heads);
+    v("num_kv_heads", c.num_kv_heads);
   }
 };
 
