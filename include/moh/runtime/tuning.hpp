@@ -1,15 +1,9 @@
 // moh::KernelTuning: how the decode kernels order their reads from memory on this machine.
 //
 // A decode step is bound by how fast one core streams weights and cache from memory, and the
-// best read pattern differs between microarchitectures and, on a shared host, between days: on
-// Zen 4 a projection streams fastest reading six weight rows side by side (the bfloat16-weights
-// LLaMA3-8B step took 0.79x the time it took with one row at a time, the float step 0.93x;
-// bench/results/decode-operating-points.md, session 13), and so on Zen 5 since session 27 (the
-// LLaMA3-8B MHA and MoH steps, float and bfloat16, 0.78-0.89x, old and new alternating in one
-// process), where session 12 had measured one row at a time faster on a day when one stream
-// read 36-41 GB/s (those were neighbouring rows with AVX-512; parts since session 29). Nothing
-// here changes a bit of any result: a dot product's element sums the same partial sums in the
-// same order whatever rows it is read beside, and a prefetch only asks for bytes early.
+// fastest read pattern depends on the microarchitecture, so the pattern is a process-wide setting.
+// No setting changes a bit of any result: a dot product's element sums the same partial sums in
+// the same order whatever rows it is read beside, and a prefetch only asks for bytes early.
 // kernel_tuning() is chosen for the CPU it first runs on; set_kernel_tuning() replaces it.
 #pragma once
 
