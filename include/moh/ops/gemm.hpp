@@ -126,9 +126,8 @@ template <class T>
 struct GemmShape {
   static constexpr Index L = Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
 #if defined(EIGEN_VECTORIZE_AVX512)
-  // 32 vector registers: 24 accumulators, 4 packets of B, a broadcast of A. Measured on Zen 5
-  // against 14 x 2, 12 x 2, 9 x 3 and 8 x 3 at the projection shapes: 6 x 4 and 8 x 3 lead,
-  // and 6 x 4's 64 columns fit head-sized blocks exactly.
+  // 32 vector registers: 24 accumulators, 4 packets of B, a broadcast of A; 6 x 4 is among the
+  // fastest tiles at the projection shapes, and its 64 columns fit head-sized blocks exactly.
   static constexpr int MR = 6, NP = 4;
 #else
   // 16 vector registers (AVX, SSE) or a scalar fallback: 12 accumulators.
@@ -226,8 +225,7 @@ inline T load_scalar(const std::uint16_t* p) {
 /// it at the weights it reads next (unpacked weights of a routed expert come from L3 or memory,
 /// which the hardware prefetcher does not follow across an expert's scattered rows).
 /// Always inlined, with product_tile and product_rest: GCC's own choice varies with small
-/// changes to the callers, and an out-of-line copy of the prefetching kernel measured 5-25 %
-/// slower in MoA at ViT shape (in-process A/B).
+/// changes to the callers, and an out-of-line copy of the prefetching kernel is slower.
 template <class T, int MR, int NP, class Src, bool kPrefetch = false>
 EIGEN_ALWAYS_INLINE void tile_kernel(const T* A, Index a_row, Index a_k, const Src* B, Index b_k,
                                      Index depth, T* C, Index ldc, bool accumulate,
@@ -429,10 +427,8 @@ void pack_b_panel(const GemmB<T>& b, Index kc, Index w, Index NR, T* panel) {
 }
 
 /// tile_kernel for an edge tile: only the first `np` (<= NP) packets of columns, so a narrow
-/// edge (a head's d columns, the last few of a product) does not pay for a whole panel. Out of line, as rows_kernel:
-/// inlined, the dozens of kernels made gemm() itself slower: 1.7-2.5x on [16 x 768] x
-/// [768 x 32] products, 1.2-1.4x on [49 x 768] x [768 x 256] (the same program built both
-/// ways, three alternating rounds).
+/// edge (a head's d columns, the last few of a product) does not pay for a whole panel. Out of
+/// line, as rows_kernel: inlining the dozens of kernels makes gemm() itself slower.
 template <class T, int MR, int NP, bool kPrefetch = false>
 EIGEN_DONT_INLINE void edge_kernel(Index np, const T* A, Index a_row, Index a_k, const T* Bp,
                                    Index NR, Index kc, T* C, Index ldc, bool accumulate,
@@ -478,9 +474,8 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
   }
   const Index nc_max = std::min(NC, (N + NR - 1) / NR * NR);
   const Index kc_max = std::min(KC, K);
-  // The packs start on a page of their own: at whatever 64-byte offset follows a task's other
-  // buffers, MoH at the ViT shape measured 3% slower (interleaved A/B), as the panel's rows met
-  // the rows of A and C in the same cache sets.
+  // The packs start on a page of their own, so that the panel's rows do not meet the rows of A
+  // and C in the same cache sets (which is slower).
   Arena::Scope scope(arena);
   const bool prepacked = B.transposed && B.packed != nullptr && B.packed_nr == NR;
   T* bp = arena.allocate<T>(kc_max * nc_max, Arena::kPageBytes);
@@ -515,8 +510,8 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
           panels[jp / NR] = bp + jp * kc;
         }
       }
-      // A is read in place (measured faster than packing it here); the last M % MR rows are
-      // a tile of their own height.
+      // A is read in place (faster than packing it here); the last M % MR rows are a tile of
+      // their own height.
       const Index tail = M % MR;
       for (Index i0 = 0; i0 < M; i0 += MC) {
         const Index mc = std::min(MC, M - i0);
@@ -589,8 +584,7 @@ void gemm(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M, In
 constexpr Index kFewRows = 4;
 /// Rows of A that multiply() gives to rows_product() against a transposed operand by count (a
 /// decode call gives it all its rows: dot_rows): a decode step of up to 8 sequences reads the
-/// weights in place (through gemm(), a batch of 8 packed the
-/// 16 MB of weights of a D = 1024 layer every step: 13% of the step, measured).
+/// weights in place rather than packing them every step.
 constexpr Index kDotRows = 8;
 
 /// Rows of W up to this length are short (one head's slice of W_o): rows_product() gives each
@@ -604,20 +598,8 @@ constexpr Index kShortRow = 256;
 /// 4 in 16).
 ///
 /// One row of A (a decode step of one sequence) reads KernelTuning::weight_streams rows of W side
-/// by side, the best pattern depending on the core (runtime/tuning.hpp; the figures here are for
-/// neighbouring rows, which AVX-512 read until session 29). Standalone, one row of A
-/// against 4096 x 4096 (medians of 15): on Zen 5 (session 12) one row at a time read 36-41 GB/s
-/// from float and 31-39 from bfloat16, 8 rows side by side (one chain each) 30-34 and 25-27; on
-/// Zen 4 (session 13) one row at a time 17-20 and 15-18, six side by side 22-23 and 20-23, 8
-/// rows of one chain 21-22 and 19-22. The 8-sequence step of a D = 1024 layer took tiles of 3
-/// rows of W (Zen 4: 8.8 GB/s against 10.2 for the old 8 rows of one chain; Zen 5: 1.01x the
-/// old step's time); since session 30 it reads chunks of 3 parts (rows_product_long_chunks()).
-/// In the Zen 4 LLaMA3-8B steps (session 13, 4 alternating rounds) six rows side by side still
-/// took 1.12-1.19x the time of the old 8 rows of one chain (which round differently), one row
-/// at a time 1.14-1.51x. On Zen 5 again (session 27, one row of A against 2 x 4096 x 4096 from
-/// memory, 6 rows side by side and one row at a time alternating, medians of 22-24): float
-/// 0.82-0.85x the time of one row at a time, bfloat16 0.94-0.96x; the LLaMA3-8B steps
-/// 0.78-0.89x.
+/// by side, the fastest pattern depending on the core (runtime/tuning.hpp); two rows of A or more
+/// read chunks of kLongRowTile parts (rows_product_long_chunks()).
 constexpr int kRowChains = 4;
 static_assert((kRowChains & (kRowChains - 1)) == 0, "the chains are added pairwise");
 #if defined(EIGEN_VECTORIZE_AVX512)
@@ -671,12 +653,8 @@ EIGEN_ALWAYS_INLINE void with_streams([[maybe_unused]] int streams, [[maybe_unus
 /// laid out the same way (even_odd_rows()), lane i of the even accumulator of chains (c, c + 1)
 /// holds what lane 2i of chain c (i < L / 2) or lane 2i - L of chain c + 1 holds in the plain
 /// loop, product for product in the same order; even_odd_chains() puts the lanes back before
-/// anything is added, so every element keeps its bits. Standalone (one row of A against 4 x 64
-/// rows of 4096, from L2, Zen 5, medians of 15) the plain loop read 34 GB/s one row at a time,
-/// this one 65; the bfloat16 LLaMA3-8B step, bound by memory on Zen 5, took 0.99-1.01x its time
-/// (4 alternating rounds, session 15). On Zen 3 (AVX2, session 19) the widening bounded the
-/// plain loop: one row against 4 x 4096 x 4096 from memory read 18-21 GB/s, this one 21-22; the
-/// weighted values over a bfloat16 cache 5.5-5.9 against 8.2-8.7 (its step 0.85x).
+/// anything is added, so every element keeps its bits. It is faster where widening bounds the
+/// plain loop (AVX2) or the rows come from L2, and no slower where memory bounds the step.
 /// Compiled where Eigen vectorizes with AVX2 or AVX-512 (EIGEN_VECTORIZE_AVX2, which AVX-512
 /// builds define too): the helpers take Eigen's packets, which are plain floats when it does not.
 template <class T, class Src>
@@ -698,9 +676,7 @@ constexpr bool even_odd_widening() {
 /// Partial sums per long row of W from Src into T: kRowChains, but 2 for bfloat16 rows into
 /// float where AVX-512 is off, so that AVX2's 16 registers hold the accumulators of 6 rows read
 /// side by side instead of 3 (even_odd_chains(): one even and one odd accumulator per row).
-/// More rows in flight read memory faster on Zen 3 (session 21, one row of A against 4 x 4096
-/// x 4096 bfloat16, medians of 11, two runs): 3 rows of 4 chains 19.6-22.4 GB/s, 5 or 6 rows
-/// of 2 chains 24.8-26.0 (a plain one-stream sum 23-24; float's 3 rows of 4 chains 28.5-29).
+/// More rows in flight read memory faster.
 /// Every product of such rows (one row of A or more, with or without the even/odd layout) has
 /// the same chains, so a row's bits still depend on no other row.
 template <class T, class Src>
@@ -874,8 +850,7 @@ EIGEN_ALWAYS_INLINE void finish_chains(GemmPacket<T> (&a)[C], const T* A, const 
 /// With G and RA both above 1, each packet of A and W that the plain loop loads is held in a
 /// register (MOH_DETAIL_IN_REGISTER) for its G or RA multiply-adds: GCC otherwise takes W's
 /// packet from memory again in each (and, with W's held alone, A's), five loads for six
-/// multiply-adds becoming eight or nine. even_odd_chains() holds A's packets likewise. See
-/// rows_product_long_chunks() for what that gained.
+/// multiply-adds becoming eight or nine. even_odd_chains() holds A's packets likewise.
 template <class T, int G, int RA, class Src, bool kEvenOdd = false, Index kAhead = 0>
 EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, Index ldw, Index K,
                                            T* C, Index ldc, bool accumulate,
@@ -925,12 +900,9 @@ EIGEN_ALWAYS_INLINE void rows_product_long(const T* A, Index lda, const Src* W, 
 
 /// Rows of W in a tile of rows_product_chain_by_chain() (against rows of A in pairs,
 /// for_row_pairs()), and the fewest rows of A that take that route (where chain_by_chain():
-/// AVX-512 off, rows of A and W in float, the only type measured). Its G x RA accumulators hold
-/// one chain at a time, so more rows share each load than 4 chains allow in AVX2's 16 registers
-/// (1 row of W x 2 of A). Standalone on Zen 3 (8 rows of A against 8 x 1024 x 1024 floats from
-/// memory, the D = 1024 batch-8 projections; medians of 15, session 22):
-/// 6.6-7.1 ms before, 4.8-5.1 with 4 x 2 tiles, 5.0-5.5 with 3 x 3, 4 x 1 or 5 x 2, 6.8 with 2 x
-/// 2; 2 rows of A 2.76 ms before, 2.81 with 4 x 2 and 2.91 with 3 x 3, hence only from 4 rows.
+/// AVX-512 off, rows of A and W in float, the only type it is used for). Its G x RA accumulators
+/// hold one chain at a time, so more rows share each load than 4 chains allow in AVX2's 16
+/// registers (1 row of W x 2 of A); with fewer than 4 rows of A it is not faster.
 constexpr int kChainTileW = 4;
 constexpr Index kChainByChainRows = 4;
 template <class T, class Src>
@@ -987,15 +959,8 @@ EIGEN_ALWAYS_INLINE void rows_product_chain_by_chain(const T* A, Index lda, cons
 }
 
 /// Elements of a long row of Src that rows_product_long_parts() asks for ahead of its reads
-/// (ask_rows_ahead()): 192 of bfloat16 (384 bytes), none of float. Measured on Zen 3
-/// (session 24: the LLaMA3-8B step's projections, one row of A against W_qkv and W_o with 32 MB
-/// read between, 40 steps with and 40 without alternating in one process, medians): at 192
-/// elements bfloat16 took 0.95-0.98x the time over 8 runs; over 2 runs each, 64 elements
-/// 0.97-1.02x, 128-384 0.97-0.99x, 512 1.00x. No distance from 64 to 512 made float faster
-/// (0.99-1.03x at 64 and 128, 1.06-1.13x from 192), and the short rows' parts (96 heads' W_o
-/// slices of 4096 x 128) gained nothing at 64-512 (bfloat16 1.01-1.03x, float 1.00-1.16x).
-/// On Zen 5 (session 29, standalone, two runs) neither bfloat16 at 384 or 768 elements was
-/// better than 192 in both runs, nor float at 96 or 192 than none.
+/// (ask_rows_ahead()): 192 of bfloat16 (384 bytes), none of float (where asking ahead gains
+/// nothing).
 template <class Src>
 constexpr Index long_row_ahead() {
   return std::is_same<Src, std::uint16_t>::value ? 192 : 0;
@@ -1006,18 +971,7 @@ constexpr Index long_row_ahead() {
 /// parts' (rows_product_long() with W's row stride times the part, and C's elements as far apart),
 /// as the short rows' parts (short_rows_step()) and the scores' parts of a block's keys. Returns
 /// the rows done; the rows left over, fewer than G, are the caller's. Each element has the bits it
-/// has in any tile. Standalone on Zen 3 (one row of A against 4096 x 4096 weights from memory, 128
-/// MB, medians of 15, six alternating runs, session 23): bfloat16 18.5-20.4 -> 20.3-23.1 GB/s (6
-/// parts), float 23.7-25.5 -> 24.7-25.8 (3 parts); the LLaMA3-8B step's projections, parts and
-/// tiles alternating in one process, 0.90-0.92x the time in bfloat16 and 0.97-0.98x in float.
-/// AVX-512 builds read 6 neighbouring rows at a time instead until session 29 (session 27 had
-/// measured parts slower in float standalone on Zen 5, never in a step). On Zen 5 in session 29
-/// (one row of A against 6144 + 4096 rows of 4096 from memory, parts and 6 neighbouring rows
-/// alternating, medians of 30) parts took 0.70-0.74x the time in float and 0.75-0.85x in
-/// bfloat16; the LLaMA3-8B steps (both alternating in one process, two runs of 37 steps,
-/// medians, the same bits) 0.73-0.77x in float, 0.86-0.94x in bfloat16 (0.84-0.93x with a
-/// bfloat16 cache), MoH 75% 0.81-0.85x in float (bfloat16 0.91-0.96x). Zen 4 is unmeasured in
-/// parts.
+/// has in any tile. Parts stream memory faster than G neighbouring rows at a time.
 /// Parts of bfloat16 rows also ask for their rows ahead of what they read (long_row_ahead()).
 template <class T, int G, class Src, bool kEvenOdd>
 Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, Index count, Index K,
@@ -1028,14 +982,8 @@ Index rows_product_long_parts(const T* A, Index lda, const Src* W, Index ldw, In
   });
 }
 
-/// Bytes of W, at most, in a chunk of rows_product_long_chunks(): the chunk stays in L2 (1 MB
-/// on Zen 4 and 5, 512 KB on Zen 3) while every pair of rows of A reads it. Session 30 on Zen 5
-/// (8 rows of A against 4096 x 1024 floats and bfloat16, 4 rows against 6144 x 4096; from
-/// memory, alternating call by call with the tiles of neighbouring rows, medians of 50): 128 KB
-/// took 0.58 / 0.66 / 0.65 / 0.92x the time of those tiles, 256 KB 0.55 / 0.65 / 0.62 / 0.91x,
-/// 384 KB 0.57 / 0.65 / 0.61 / 0.94x, 768 KB 0.65 / 0.66 / 0.64 / 0.97x, 1 MB 0.72 / 0.69 /
-/// 0.69 / 0.96x (before even_odd_chains() held A's packets: the bfloat16 figures are lower now,
-/// see rows_product_long_chunks()).
+/// Bytes of W, at most, in a chunk of rows_product_long_chunks(): the chunk stays in L2 while
+/// every pair of rows of A reads it.
 constexpr Index kLongRowChunkBytes = 256 * 1024;
 
 /// C[r, j] (+)= A[r, :] . W[j, :] for r < n and the first rows j of W, two rows of A or more:
@@ -1043,22 +991,10 @@ constexpr Index kLongRowChunkBytes = 256 * 1024;
 /// (for_row_pairs()) in turn, part g's t-th row in step t with the other parts'
 /// (rows_product_long() with W's row stride and C's element step times the rows per part). The
 /// first pair streams the chunk's G parts from memory, as one row of A streams
-/// rows_product_long_parts() (without asking ahead: long_row_ahead() is unmeasured here); the
-/// other pairs find them in L2 (at most kLongRowChunkBytes a chunk). Returns the rows done, G
-/// times the rows per part of each chunk; the rows left over, fewer than G, are the caller's.
-/// Each element has the bits it has in any tile.
-///
-/// Until session 30 such rows of A read G neighbouring rows of W at a time (a tile), the tile
-/// re-read from L1 by each pair. On Zen 5, G = 3 (alternating call by call with the tiles, from
-/// memory, medians of 50): float 2, 3, 4 and 8 rows of A against 4096 x 1024 took 0.62, 0.67,
-/// 0.68 and 0.58x the tiles' time, 2, 4 and 8 rows against 6144 x 4096 0.79, 0.63 and 0.64x;
-/// bfloat16 0.59, 0.63, 0.53 and 0.48x against 4096 x 1024 and 0.68, 0.79 and 0.65x against
-/// 6144 x 4096. In float (8 rows against 4096 x 1024, chunks of 512 KB), chunks alone took 1.06x
-/// the tiles' time and the packets held in registers alone (rows_product_long()) 1.11x: only
-/// both together gained (0.60x); in bfloat16 chunks alone gained (0.68x), and holding A's
-/// packets in even_odd_chains() then took 0.84-0.95x the time. An AVX2 build on the same core
-/// (G = 2 for bfloat16; float keeps one row of W at a time for 2 or 3 rows of A, chain by chain
-/// from 4): bfloat16 0.41-0.71x, float 0.96-1.00x.
+/// rows_product_long_parts() (without asking ahead); the other pairs find them in L2 (at most
+/// kLongRowChunkBytes a chunk), which is faster than each pair re-reading a tile of neighbouring
+/// rows. Returns the rows done, G times the rows per part of each chunk; the rows left over,
+/// fewer than G, are the caller's. Each element has the bits it has in any tile.
 template <class T, int G, class Src, bool kEvenOdd>
 Index rows_product_long_chunks(const T* A, Index lda, Index n, const Src* W, Index ldw,
                                Index count, Index K, T* C, Index ldc, bool accumulate,
@@ -1125,21 +1061,10 @@ void rows_product_long_rows(const T* A, Index lda, Index n, const Src* W, Index 
 
 /// Rows of W that rows_product() reads side by side when they are short (K <= kShortRow), at
 /// most: the rows split into that many parts, row i of every part in step, each part one stream
-/// in memory order. Standalone on Zen 3 (session 21: one row of A against 96 heads' W_o slices
-/// of 4096 x 128, from memory, medians of 11, two runs), one row after another read bfloat16 at
-/// 16.7-17.4 GB/s and float at 22, 2 parts 24.4 and 30, 4 parts 29.7 and 29, 8 parts 28-29 and
-/// 29; 4 or 8 neighbouring rows in step (one stream) 14-18 and 13-15. Session 25, the step's
-/// own pattern (24 of 32 heads' slices, read from memory, the variants in turn, medians of the
-/// time ratios to 4 parts with their interquartile range): kernels of S parts written for the
-/// test, bfloat16 6 parts 0.87x (0.82-0.90), 5 parts 0.89x, float 6 parts 0.98x (0.94-1.04);
-/// 8 parts, in a first run not taken in turn, about as fast as 4. This function with
-/// weight_streams 6 against 4: bfloat16 0.90x (0.85-0.95), float 0.96x (0.93-1.00), at 1024
-/// rows per call (a decode step on a pool) 0.92x and 0.98x; two rows of A, bfloat16 0.94x,
-/// float 1.03x (0.99-1.07). 6 parts of one chain against two rows of A are 12 accumulators:
-/// AVX2's 16 registers still hold them. AVX-512 keeps 4: on Zen 5 (session 27, the MoH-LLaMA3
-/// 75% step, alternating in one process) 6 parts took 1.045x the time in float and 1.005x in
-/// bfloat16, one part 1.17x and 1.03x. Fewer where
-/// KernelTuning::weight_streams says so (set_kernel_tuning()).
+/// in memory order (faster than one row after another, or neighbouring rows in one stream).
+/// 6 parts of one chain against two rows of A are 12 accumulators, which AVX2's 16 registers
+/// hold; AVX-512 keeps 4. Fewer where KernelTuning::weight_streams says so
+/// (set_kernel_tuning()).
 #if defined(EIGEN_VECTORIZE_AVX512)
 constexpr int kShortStreams = 4;
 #else
