@@ -145,8 +145,8 @@ constexpr Index packet_size() {
   return Eigen::internal::unpacket_traits<GemmPacket<T>>::size;
 }
 // Register tile of the attention products: kTileRows rows x 2 packets of columns, i.e. 16
-// accumulators with 32 vector registers (AVX-512), 8 with 16. Measured on AVX-512 for the
-// 64 x 256 x 64 products of a block: 8 x 2 beats 4 x 4, 6 x 4 and 12 x 2.
+// accumulators with 32 vector registers (AVX-512), 8 with 16; 8 x 2 is the fastest tile for a
+// block's 64 x 256 x 64 products with AVX-512.
 constexpr int kTilePackets = 2;
 #ifdef EIGEN_VECTORIZE_AVX512
 constexpr int kTileRows = 8;
@@ -178,17 +178,11 @@ constexpr Index kPackedQueries = 8;
 
 // The few-query kernels of 3 or more queries ask for the rows about this many bytes ahead of
 // the one they read: their multiply-adds (32 per key for 4 queries of 128) slow the issue of
-// loads enough that the hardware prefetcher alone leaves memory idle between them. In the
-// LLaMA3-8B decode step (4 queries of 128 per key/value head), old and new binaries alternated
-// (3 repetitions each per round): over a bfloat16 cache the step took a median 0.95x its time
-// without (12 rounds, session 11, Zen 4), so a bfloat16 cache is always prefetched. Over a float
-// cache it took 0.90x on Zen 5 (6 rounds, session 12; session 27, alternating in one process:
-// without it the LLaMA3-8B MHA step 0.99x, MoH 1.02x, so kept) but 1.06x on Zen 4 (session 11,
-// weights then read 8 rows side by side); with six and the one-key scores of session 14 the scores
-// took 1.28 ms of that step prefetched against 0.97 without (Zen 4, one perf run each): float
-// caches are prefetched where KernelTuning::prefetch_float_cache says. One query or two are not
-// prefetched this way; one query over a float cache's rows back to back asks for one line of
-// each row itself (one_query_sixteen_keys(), where have_sums_of_sixteen()).
+// loads enough that the hardware prefetcher alone leaves memory idle between them. A bfloat16
+// cache is always prefetched; a float cache where KernelTuning::prefetch_float_cache says, as
+// that helps on some cores and slows others. One query or two are not prefetched this way; one
+// query over a float cache's rows back to back asks for one line of each row itself
+// (one_query_sixteen_keys(), where have_sums_of_sixteen()).
 constexpr Index kPrefetchAhead = 4096;
 
 /// Whether the few-query kernels of NQ queries prefetch a cache of Src for compute type T.
@@ -284,19 +278,10 @@ constexpr Index kSixteenKeysAhead = 2;
 /// side by side: packet x of each in turn), the sums reduced together (scaled_sums_of_sixteen(),
 /// so only where have_sums_of_sixteen<T>()). Returns the keys taken. DS > 0: rows of exactly DS
 /// packets, back to back (k_stride = head_dim = DS packets, a KvCache's rows), so that every load
-/// is at a fixed offset from one pointer. With the stride known only at run time GCC kept
-/// sixteen row pointers, some of them in vector registers, and the keys of a batch-8 D = 1024
-/// decode step (heads of 64, 4096 keys each) were read at 21-22 GB/s; with the fixed offsets
-/// 30-31, a plain sum of the same 128 MB 32 (Zen 5, session 28, medians of 15; heads of 128:
-/// 24 and 25-31). One query of 64 over 128 MB of keys in one run (session 17): 34-35 GB/s
-/// against 27 for four keys at a time. Rows back to back also ask for the first line of each
-/// of the sixteen rows kSixteenKeysAhead steps ahead, the rest of each row left to the hardware
-/// prefetcher: standalone (the same 128 MB, medians of 21) heads of 64 then read 31 GB/s against
-/// 29, of 128 38 against 28, of 256 34 against 28 (every line of the rows, or the first 1 KB of
-/// the step's 4-8 KB, 30-32); in one process, alternating step by step with the same bits, the
-/// batch-8 steps took 0.96x (D = 1024, heads of 64) and 0.88x (D = 2048, heads of 128) the time
-/// without, a LLaMA2-7B-shaped step (32 heads of 128, batch 1) 0.94x, the D = 1024 batch-1 step
-/// 1.00x (Zen 5, session 28).
+/// is at a fixed offset from one pointer (with the stride known only at run time GCC keeps
+/// sixteen row pointers, some in vector registers, and reads the keys slower). Rows back to back
+/// also ask for the first line of each of the sixteen rows kSixteenKeysAhead steps ahead, the
+/// rest of each row left to the hardware prefetcher, which keeps memory busier.
 template <class T, int DS>
 Index one_query_sixteen_keys(const T* q, const T* k, Index k_stride, Index nk, Index head_dim,
                              T scale, T* S) {
@@ -354,28 +339,17 @@ constexpr Index fixed_key_rows(Index head_dim, Index k_stride) {
 }
 
 /// Parts of a block's keys that the scores read side by side where AVX-512 is off: key i of
-/// each part in step, each part one stream in memory order. Standalone on Zen 3 (session 21:
-/// 64 blocks of 4096 keys of 128 from memory, medians of 11, two runs), 4 queries read a float
-/// cache at 13.7-15.2 GB/s one key at a time, 15.8-20.2 with 2 parts, 20.6-21.8 with 3 (12
-/// accumulators, 3 key packets and a query packet: AVX2's 16 registers); one query 20.6-20.7,
-/// 18-24 and 27-31; a bfloat16 cache, bound by its widening, 11.1-12.1 and 11.5-11.8. AVX-512:
-/// see score_parts().
+/// each part in step, each part one stream in memory order, which reads a cache faster than one
+/// key at a time (3 parts: 12 accumulators, 3 key packets and a query packet fill AVX2's 16
+/// registers). AVX-512: see score_parts().
 constexpr int kScoreParts = 3;
 
 /// Parts of a block's keys that the scores of NQ queries read side by side (kScoreParts where
 /// AVX-512 is off). With AVX-512, one part (one query over a cache in T: four neighbouring keys at
-/// a time, sixteen with DQ; three or four queries: one key at a time; neighbouring keys in step
-/// read slower on Zen 4) except for one or two queries over a bfloat16 cache, 4 parts, and two over
-/// a cache in T, 2. NQ is a chunk of for_query_chunks(), so a group of 5-7 queries ends with a
-/// chunk of one to three (unmeasured mixes; groups of 4 and 8 have none). Standalone on Zen 5
-/// (session 28: 128 MB of keys from memory in heads of 4096 keys, medians of 15, two or four runs;
-/// GB/s of the cache's bytes for 1, 2, 3, 4 parts): bfloat16, one query of 128 11-13, 16-17, 21-24,
-/// 25-26; two 20, 20, 21, 26; four 10-11, 17, 15-16, 17; float, two queries of 64 21-22, 33-40,
-/// 24-38, 31; four of 128 23-28, 21-24, 22-28, 21-22 (a plain sum 29-42). In one process, old and
-/// new alternating with the same bits, batch-8 steps took: one query over a bfloat16 cache, heads
-/// of 64 0.92x and of 128 0.94x; two queries over a float cache (8 kv heads of 16 query heads),
-/// heads of 64 0.98x and of 128 0.93x (0.94x over a bfloat16 cache). Four queries over a bfloat16
-/// cache in 4 parts took the LLaMA3-8B steps 1.00-1.02x, so more than two queries keep one part.
+/// a time, sixteen with DQ; three or four queries: one key at a time) except for one or two
+/// queries over a bfloat16 cache, 4 parts, and two over a cache in T, 2, where parts stream
+/// faster. NQ is a chunk of for_query_chunks(), so a group of 5-7 queries ends with a chunk of
+/// one to three.
 template <class T, int NQ, class Src>
 constexpr int score_parts() {
 #if defined(EIGEN_VECTORIZE_AVX512)
@@ -390,19 +364,10 @@ constexpr int score_parts() {
 /// Whether few_query_scores_of() reads its NQ > 1 float queries of DP packets (DP > 0) from a
 /// copy at fixed offsets, rather than at their stride: with AVX-512, where they fit its 32
 /// registers beside the NQ x KS x KB sums and KS x KB key packets of a step. At the stride
-/// (known only at run time) GCC 12 kept a pointer per query packet, most in vector registers,
-/// and moved one to a general register before each multiply-add; from the copy it keeps the
-/// query packets in registers. Standalone on Zen 5 (session 31: 8 heads of 4097 keys from
-/// memory, medians of 60, the two ways alternating, three runs; time with the copy / at the
-/// stride): float keys of 64, 2 / 3 / 4 queries 0.75-0.96x / 0.39-0.45x / 0.85-0.86x; of 128,
-/// 2 and 3 queries 0.87-0.90x and 0.77-1.02x; bfloat16 keys of 64 0.80-0.83x / 0.95-1.00x /
-/// 0.68-0.76x, of 128 2 and 3 queries 0.95-0.97x and 0.94-0.97x. Four float queries of 128 (32
-/// packets, every register) took 1.48-1.77x with the copy (the first two runs), so they keep
-/// the stride (and so the LLaMA3-8B MHA step its code). The MoH-LLaMA3 75% step (five of its
-/// eight key/value heads with 3 of their 4 query heads active) against the MHA step,
-/// alternating in one process, 4 runs of each binary in turn: the ratio's median went from
-/// 0.940 to 0.930 with float weights and from 0.954 to 0.938 with bfloat16. Builds without
-/// AVX-512 keep the stride (unmeasured there).
+/// (known only at run time) GCC 12 keeps a pointer per query packet, most in vector registers,
+/// and moves one to a general register before each multiply-add; from the copy it keeps the
+/// query packets in registers, which is faster. Four float queries of 128 (32 packets, every
+/// register) and builds without AVX-512 keep the stride.
 template <class T, int NQ, int DP, int KS, int KB>
 constexpr bool local_queries() {
 #if defined(EIGEN_VECTORIZE_AVX512)
@@ -418,19 +383,13 @@ constexpr bool local_queries() {
 /// the keys side by side, one key of each at a time, each key's row read once for all the
 /// queries (whose packets come from L1); the keys left over one by one. With one part (AVX-512),
 /// one query over a cache in T: four keys at a time, each key's row read in order (sixteen keys
-/// with DQ, their rows read side by side); three or more queries: one key at a time. Two
-/// neighbouring keys in step, which load each query packet once for both, read a float cache at
-/// 13-21 GB/s where one key reads it at 24-28 (Zen 4, 4 queries of 128 over 16 MB, session 14;
-/// a plain sum 26-27), and four rows in step at 7-9: rows side by side defeat the hardware
-/// prefetcher there. The sums and their order are the same either way.
-/// DP: the head's packets when known at compile time (the loops over d unrolled: 2-4x faster
-/// for 2 or 4 queries of 128 floats, measured), 0 when not. The loops over the accumulators of
-/// a step of one key per part, or of 3 or more queries, are unrolled by hint
-/// (MOH_DETAIL_UNROLL_REGISTERS): with AVX2's 16 packets
-/// of a 128 head GCC 12 left the loop over d rolled in a standalone program and kept the 4
-/// accumulators on the stack, every multiply-add waiting for the store before it (Zen 3,
-/// session 20: 4 queries read a float cache at 7.8 GB/s from memory, 15 unrolled; bfloat16 4.0
-/// and 12). Inlined into the library's attention it had them in registers already.
+/// with DQ, their rows read side by side); three or more queries: one key at a time (neighbouring
+/// keys in step defeat the hardware prefetcher there). The sums and their order are the same
+/// either way.
+/// DP: the head's packets when known at compile time (the loops over d unrolled, which is
+/// faster), 0 when not. The loops over the accumulators of a step of one key per part, or of 3
+/// or more queries, are unrolled by hint (MOH_DETAIL_UNROLL_REGISTERS), so that GCC keeps the
+/// accumulators in registers rather than on the stack.
 template <class T, int NQ, int DP, class Src>
 void few_query_scores_of(const T* q, Index q_stride, const Src* k, Index k_stride, Index nk,
                          Index head_dim, T scale, T* S, Index ld) {
@@ -535,9 +494,8 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
     }
   }
   // One query keeps the loop over d (DP = 0): with AVX-512's four neighbouring keys unrolled,
-  // GCC interleaved the loads of their rows, which read the cache ~8% slower (at d = 64); its
-  // parts (without AVX-512, or over a bfloat16 cache: score_parts()) unroll it by hint, and
-  // were measured so.
+  // GCC interleaves the loads of their rows, which reads the cache slower; its parts (without
+  // AVX-512, or over a bfloat16 cache: score_parts()) unroll it by hint.
   if constexpr (NQ > 1) {
     if (with_head_packets(d / packet_size<T>(), [&](auto dp) {
           few_query_scores_of<T, NQ, decltype(dp)::value>(q, q_stride, k, k_stride, nk, d, scale,
@@ -549,8 +507,7 @@ void few_query_scores(const T* q, Index q_stride, const Src* k, Index k_stride, 
 }
 
 /// Whether the passes of the weighted values over a run ask for the next run (NextRunLines):
-/// measured on Zen 3 only (see value_group_packets()); AVX-512's 2 passes of a run would ask
-/// for a quarter of the next one, unmeasured.
+/// without AVX-512, where several passes go over each run; AVX-512's two passes do not ask.
 #ifdef EIGEN_VECTORIZE_AVX512
 constexpr bool kValueNextRun = false;
 #else
@@ -559,8 +516,7 @@ constexpr bool kValueNextRun = true;
 
 /// The lines of the run of keys that the weighted values read next, asked for one at a time,
 /// `every` steps of one key apart, while the passes of the current run find it in the caches:
-/// otherwise memory is busy only while the first passes read their columns of a run (on Zen 3
-/// 4 queries' passes over a bfloat16 cache read 8 GB/s from memory and 14-19 from L3). Rows of
+/// otherwise memory is busy only while the first passes read their columns of a run. Rows of
 /// row_bytes at `stride` bytes, each asked for from its first byte, a line (64 bytes) at a time,
 /// in order (a row that starts inside a line leaves the last line it reaches into unasked; the
 /// cache's rows of 128 floats or bfloat16 start on lines). The row pointer never moves past the
@@ -726,9 +682,8 @@ void few_query_values_rest(Index packets, const T* W, Index ldw, const Src* v, I
 
 // Accumulators the weighted-value panels keep in registers: half of AVX-512's 32 vector
 // registers or of AVX2's 16 (other targets get 8 too), the rest for the value packets loaded and
-// the broadcast weight. Measured with AVX-512 only. A panel of 4 queries x 6 packets (24 of
-// 32 registers) left GCC short and it kept its accumulators on the stack: the LLaMA3-8B step
-// read its float cache at 11-14 GB/s, against 20 with panels of 2 queries x 8 (session 14).
+// the broadcast weight (a wider panel leaves GCC short, and it keeps its accumulators on the
+// stack).
 #ifdef EIGEN_VECTORIZE_AVX512
 constexpr int kValueAccumulators = 16;
 #else
@@ -736,14 +691,9 @@ constexpr int kValueAccumulators = 8;
 #endif
 
 // Keys per run of the weighted values' passes (few_query_values()), and the most bytes of
-// values a run holds where that is less. With AVX2's 8 accumulators 4 queries of 128 make 8
-// passes over each run (in session 20 one by one, each reading half of each row's columns;
-// since session 22 in pairs, each a quarter): runs of 128 float rows (64 KiB) sent the
-// later passes to L2, runs of 64 (32 KiB, Zen 3's L1) kept them in L1. Standalone (4 queries of
-// 128 over 64 blocks of 4096 keys from memory, medians of 15, 3 alternating runs, Zen 3, session
-// 20): 13.4-13.8 GB/s against 11.2-11.6 at 128; 32 keys 12.4-12.6; a bfloat16 cache (128 keys of
-// 256 bytes, unchanged) the same at 64 or 128. AVX-512's 2 passes of 2 queries keep 128 keys
-// of any size (not measured with fewer).
+// values a run holds where that is less: runs of 64 float rows of 128 (32 KiB) keep the later
+// passes of AVX2's pairs in L1, where 128 would send them to L2. AVX-512's 2 passes of 2
+// queries keep 128 keys of any size.
 constexpr Index kValueRun = 128;
 #ifdef EIGEN_VECTORIZE_AVX512
 constexpr Index kValueRunBytes = std::numeric_limits<Index>::max();
@@ -761,19 +711,8 @@ inline Index value_run(Index row_bytes) {
 /// pairs. Half the accumulators, so that a pair always fits: with AVX2's 8, 3 or 4 queries go
 /// in pairs over 4 packets, and 2 queries in one group over 4, rather than one by one over 8,
 /// which widens or loads each value packet once for two queries (4 queries of 128: the same 8
-/// passes over a run); one query keeps 8 packets. Standalone on Zen 3 (4 queries of 128 over
-/// 128 MB of bfloat16 values or 128 MB of float, from memory; medians of 15, 3 alternating
-/// runs, session 22): one by one read bfloat16 at 8.1-8.4 GB/s and float at 14.2-14.9; one by
-/// one with the next run asked for (NextRunLines) 12.5-13.5 and 13.3-14.4; pairs with the next
-/// run 15.4-15.8 and 15.7-17.1. From L3 (one block of 4096 keys again and again) pairs read
-/// bfloat16 faster (15-18 against 13-14.5) and float slower (21-24 against 26-28). 1-3 queries
-/// (session 23, the same program against session 21's code, alternating runs, before -> after):
-/// bfloat16 faster for each (one query 14.0-15.7 -> 16.9-18.6 GB/s over 6 runs, two 10.4-11.8
-/// -> 14.4-15.8 and three 8.3-9.5 -> 11.9-13.6 over 4); float one query 17.4-20.1 -> 16.9-19.4
-/// and three 12.9-15.9 -> 13.6-15.3 (noise), two queries 5-10% slower (medians 16.1 -> 15.2
-/// over 4 runs, 18.0 -> 16.5 over 3); without the next run's lines float read 11-14 for 2-4
-/// queries (against 14-17), so the groups and lines stay for all. AVX-512 keeps its groups (2
-/// queries over 8 packets).
+/// passes over a run); one query keeps 8 packets. AVX-512 keeps its groups (2 queries over 8
+/// packets).
 constexpr int value_group_packets() { return std::min(8, kValueAccumulators / 2); }
 
 /// Packets of columns a weighted-value panel of `queries` queries spans.
@@ -869,10 +808,9 @@ void few_query_values(const T* W, Index ldw, const Src* v, Index v_stride, Index
   }
 }
 
-/// Whether attend_heads() pairs the heads of a decode step (attend_head_pairs()): measured on
-/// Zen 3 (AVX2, heads of one panel; session 26) and on Zen 5 (session 27: AVX-512, heads of one
-/// panel and of half of one; AVX2 code, half of one); SSE-only and vectorized non-x86 builds
-/// pair too, unmeasured. The switch that turns the pairs off.
+/// Whether attend_heads() pairs the heads of a decode step (attend_head_pairs()), as it streams
+/// memory faster on AVX2 and AVX-512 builds; SSE-only and vectorized non-x86 builds pair too.
+/// The switch that turns the pairs off.
 constexpr bool kPairedValues = true;
 
 /// Packets per head of the heads whose weighted values pair (few_query_values_pair()): one
@@ -902,11 +840,10 @@ constexpr bool paired_values_head(Index d) {
 /// a0[0 : d) += sum_c w0[c] v0_c over n0 values (rows at vs0), and a1 the same over its own
 /// n1 values, for heads of NP packets (paired_values_packets(d)): both read in one pass while
 /// both have keys left, then the longer alone: two streams in memory where one query's values
-/// are one (measured: see attend_head_pairs() in detail/attend.hpp). Each element is one chain
-/// over its keys in order from a0 or a1, few_query_values()'s, so are its bits. Whole panels
-/// with AVX2: the two heads' 16 accumulators and two weights leave 3 accumulators on the stack
-/// (GCC 12, objdump); the test program's copy of this loop, spilling the same, was the one
-/// measured. Half panels take 8 accumulators, and AVX-512's whole panels 16 of its 32 registers.
+/// are one, which is faster. Each element is one chain over its keys in order from a0 or a1,
+/// few_query_values()'s, so are its bits. Whole panels with AVX2: the two heads' 16
+/// accumulators and two weights leave 3 accumulators on the stack. Half panels take 8
+/// accumulators, and AVX-512's whole panels 16 of its 32 registers.
 template <class T, int NP>
 void few_query_values_pair(const T* w0, const T* v0, Index vs0, Index n0, T* a0, const T* w1,
                            const T* v1, Index vs1, Index n1, T* a1) {
@@ -1074,8 +1011,8 @@ void attend(const AttentionQueries<T>& queries, const AttentionKeysValues<T>& kv
   };
   // Keys per block: the few-query kernels take as many as the score tile holds for their
   // queries (4096 for a group of 4, 16384 for one), so that the keys and the values of a head are
-  // each read in one long run (in blocks of 256 keys, alternating between the two streams, the
-  // D = 1024 decode step read its cache at ~80% of a plain sum's rate; at 4096, ~100%, measured).
+  // each read in one long run (short blocks, alternating between the two streams, read the cache
+  // well below a plain sum's rate).
   const Index key_block =
       few ? std::max(kKeyBlock, kQueryBlock * kKeyBlock / std::max<Index>(1, n_q) / kKeyBlock *
                                     kKeyBlock)
