@@ -110,15 +110,8 @@ bool pairs_decode_heads(const KeyValues<T>& kv, Index batch, Index tokens, Index
 /// attend_heads() for one token per sequence and one query head per kv head, in heads of one
 /// value panel or half of one over a cache in T (pairs_decode_heads()): heads 2p and 2p + 1 of a
 /// sequence attend in one task, their weighted values in one pass (few_query_values_pair(), two
-/// streams in memory instead of one), each head with the bits it has alone (attend()'s own, as
-/// finish_values() promises). On Zen 3 (session 26): the values of one query, 128 heads of 4096
-/// x 64 floats from memory, read 15.7 GB/s one head at a time and 20.1 two at once in the same
-/// run (one head 16.6-17.9 in others); the D = 1024 MHA decode step (16 heads of 64, context
-/// 4096, one thread, old and new alternating in one process) took 0.91-0.92x its time at batch 8
-/// and 0.93-0.94x at batch 1. On Zen 5 (session 27, the same way): with AVX-512 that step (heads of
-/// half a panel) 0.95x at batch 8 and 0.98x at batch 1, D = 2048 with 16 heads of 128 (one
-/// panel) 0.95x at batch 4 and 0.97x at batch 1; AVX2 code, D = 512 with 16 heads of 32 (half a
-/// panel) 0.93x at batch 8 and 0.95x at batch 1.
+/// streams in memory instead of one, which is faster), each head with the bits it has alone
+/// (attend()'s own, as finish_values() promises).
 template <class T>
 void attend_head_pairs(const HeadsView<T>& q, const KeyValues<T>& kv, Index batch, Index heads,
                        Index d, T scale, bool causal, T* out, const Exec& exec) {
@@ -293,25 +286,21 @@ constexpr Index kRoutedRowTile = 128;    // rows per projection task of the rout
 // Output columns per task when heads have few rows. MoAAttention also stores its output experts
 // in column panels of this width (see its constructor), so that each task reads contiguous runs.
 constexpr Index kRoutedColumnTile = 128;
-// Heads with fewer rows than this on average project their outputs in column tiles. Measured
-// (1 thread, interleaved): at (8, 256, 512) MoA E = 32 (128 rows per expert) column tiles took
-// 0.91x the time of row tiles; MoH at ViT 50-100 % (98-197 rows per head) was 0.97-1.01x.
+// Heads with fewer rows than this on average project their outputs in column tiles, which is
+// faster there (MoA's many experts of few rows each).
 constexpr Index kRoutedColumnRows = 256;
 // Heads whose output weights are larger than this (bytes) also project in column tiles: a row
-// tile would stream all of them again for its few rows of each head. JetMoE-8B's experts
-// (2048 x 2048 floats, 16 MiB, ~32 of 128 rows per row tile) took 1.24x the time of dense MHA
-// with row tiles.
+// tile would stream all of them again for its few rows of each head (JetMoE-8B's 16 MiB
+// experts).
 constexpr std::size_t kRoutedRowTileWeightBytes = std::size_t(4) << 20;
 // Heads whose output weights are at least this large (bytes; MoH-LLaMA3's 128 x 4096 floats,
 // 2 MiB) project in row tiles of kRoutedLargeRowTile: each row tile packs every head's weights
-// again, which at 128 rows cost half of what MoH saved at 2048 tokens (perf: the packing took 3x
-// MHA's). Measured (1 thread, 4 interleaved rounds) at D = 4096, 2048 tokens, 75% of heads: MoH /
-// MHA 0.96-0.99 with 128 rows, 0.89 with 512, 0.93 with 1024.
+// again, which at 128 rows costs much of what routing saves.
 constexpr std::size_t kRoutedLargeHeadBytes = std::size_t(1) << 20;
 constexpr Index kRoutedLargeRowTile = 512;
 // A one-thread decode step projects every output column in one tile while a head's products
-// (its rows x D_out) take at most this many bytes (half of Zen 3's L2: 16 rows at D = 4096);
-// past it, 4 tiles as before (one-thread batches that large are unmeasured either way).
+// (its rows x D_out) take at most this many bytes (16 rows at D = 4096, about half an L2);
+// past it, 4 tiles.
 constexpr std::size_t kRoutedDecodeRowBytes = std::size_t(256) << 10;
 
 /// Runs the routed heads of `plan`, each a block of `sub_heads` query heads of size d (MoH and
@@ -480,11 +469,7 @@ void attend_routed(const HeadPlan<T>& plan, Index sub_heads, const ConstRowsRef<
     // A decode step's rows: wide tiles, so that each head's weights (one contiguous panel
     // per head, MoHAttention) stream in long runs rather than 128-column pieces; on one thread
     // one tile of every column, each head's panel one run, while a head's products (most x
-    // D_out) fit kRoutedDecodeRowBytes. MoH-LLaMA3 75%'s step, the two ways alternating in one
-    // process (session 25, Zen 3, 400 pairs, with the short rows' 6 parts): 0.986x the time of
-    // 4 tiles with bfloat16 weights, 0.994x float; 0.988x at D = 1024 (batch 1; larger batches
-    // unmeasured); on Zen 5 with AVX-512 (session 27, 200 pairs, two runs) 0.971-0.974x
-    // bfloat16, 0.983-0.987x float. No tile width enters an element's arithmetic.
+    // D_out) fit kRoutedDecodeRowBytes. No tile width enters an element's arithmetic.
     const std::size_t head_bytes = static_cast<std::size_t>(most * D_out) * sizeof(T);
     const bool one_tile = !exec.threaded() && head_bytes <= kRoutedDecodeRowBytes;
     const Index tile = !decode  ? kRoutedColumnTile
