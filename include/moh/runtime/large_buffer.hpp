@@ -3,9 +3,9 @@
 // A decode step reads every weight and every cached key and value once, so its speed is the
 // rate at which one core streams memory. On Linux with 4 KiB pages that rate is capped by the
 // page walks and by the hardware prefetcher, which stops at each page boundary, so huge pages
-// stream faster. An allocation of at least 2 MiB is aligned to 2 MiB and advised for transparent huge pages (madvise), which
-// kernels configured with THP "madvise" (Debian's default) honour. Elsewhere, or when the
-// advice is refused, it is plain aligned memory; nothing else changes.
+// stream faster. An allocation of at least 2 MiB is aligned to 2 MiB and advised for transparent
+// huge pages (madvise), which kernels configured with THP "madvise" (Debian's default) honour.
+// Elsewhere, or when the advice is refused, it is plain aligned memory; nothing else changes.
 #pragma once
 
 #include <cstddef>
