@@ -36,9 +36,8 @@ inline Index linear_tile(Index n, Index minimum, Index align, Index parts = 4) {
 // than one thread: 16 per product, of at least 64 columns. No tile width enters an element's
 // arithmetic on any route multiply() takes for such rows, so here the grid may follow the pool
 // without changing a bit. Sixteen let two threads that stream at different speeds (two cores
-// sharing the memory) finish a product within a sixteenth of each other: with four, the calling
-// thread of a two-thread LLaMA3-8B step waited 6-10% of the step. On one thread the four wide
-// tiles stay (with sixteen, MoH-LLaMA3's step took a median 1.04x its time, measured).
+// sharing the memory) finish a product within a sixteenth of each other, where with four one
+// thread waits for the other. On one thread the four wide tiles stay (sixteen are slower there).
 inline Index dot_tile(Index n) { return linear_tile(n, 64, 64, 16); }
 
 /// Calls fn(row0, rows, col0, cols, thread) for each tile of an [rows, cols] output, on `pool`.

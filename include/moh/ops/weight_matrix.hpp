@@ -168,7 +168,7 @@ class WeightMatrix {
   Index rows_ = 0, cols_ = 0, panel_ = 0;
   // Rows per panel of the packed copy: gemm()'s NR where the matrix was built. gemm() reads the
   // copy only if that is its own NR (a program whose files target different vector widths packs
-  // as before).
+  // B on each call instead).
   Index nr_ = detail::GemmShape<T>::NR;
   WeightStorage storage_ = WeightStorage::Native;
   LargeBuffer<T> native_;              // rows * cols unless BFloat16, in the layout above

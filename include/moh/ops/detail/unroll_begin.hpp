@@ -15,10 +15,9 @@
 #endif
 // Put MOH_DETAIL_INLINE_LAMBDA after the parameters of a kernel's step handed to a helper as a
 // lambda (for_parts() in gemm.hpp), so that the step is compiled into the helper's loop as a
-// plain loop's body would be: GCC 12 compiled the step of 6 parts of bfloat16 rows as a function
-// of its own and kept 11 of its 12 accumulators on the stack there (session 24, objdump: 34
-// multiply-adds from the stack; inlined 21, as many as the plain loop with the same hint). Clang
-// takes the same attribute; other compilers get nothing.
+// plain loop's body would be: GCC 12 otherwise compiles a step (6 parts of bfloat16 rows) as a
+// function of its own and keeps most of its accumulators on the stack there. Clang takes the
+// same attribute; other compilers get nothing.
 #if defined(__GNUC__)
 #define MOH_DETAIL_INLINE_LAMBDA __attribute__((always_inline))
 #else
