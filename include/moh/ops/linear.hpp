@@ -88,9 +88,9 @@ void project_tiles(const ConstRowsRef<T>& X, Operand operand, const T* bias, Row
 
 /// Y[N, out] = X[N, in] W[out, in]^T as dot products (rows_product(): each element sums in
 /// packets, then reduces), in blocks of rows on exec's threads. For weights of a few rows, such
-/// as a router's, which a GEMM tile would fill with padding (one product of 49 x 768 by 768 x 2
-/// took 20 us). An element depends on its row alone, so the split never changes it, and a decode
-/// step's few rows, which multiply() also gives to rows_product(), get the same bits.
+/// as a router's, which a GEMM tile would fill with padding. An element depends on its row
+/// alone, so the split never changes it, and a decode step's few rows, which multiply() also
+/// gives to rows_product(), get the same bits.
 template <class T>
 void project_dots(const ConstRowsRef<T>& X, const ConstRowsRef<T>& W, RowsRef<T> Y,
                   const Exec& exec) {
