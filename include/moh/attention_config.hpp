@@ -25,7 +25,7 @@ namespace moh {
 struct AttentionConfig {
   Index embed_dim = 0;     // D
   Index head_dim = 0;      // d; 0 = embed_dim / num_heads for the layers that have num_heads
-  bool rope = false;       // rotary position embedding on queries and keys (SEMANTICS 4)
+  bool rope = false;       // rotary position embedding on queries and keys (docs/semantics.md §4)
   double rope_theta = 10000.0;
   WeightStorage weight_storage = WeightStorage::Native;  // projections in T, bfloat16, T + packed
 

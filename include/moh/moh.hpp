@@ -5,6 +5,9 @@
 // cache, workspace); it needs Eigen and the standard library only. Checkpoints (safetensors
 // reading and writing, load_weights / save_weights) come from <moh/io.hpp>, which needs
 // nlohmann-json; the golden-case runner from <moh/io/golden_case.hpp>.
+//
+// A comment's "§N" is section N of docs/semantics.md, which states what each layer computes,
+// formula by formula.
 #pragma once
 
 #include "moh/error.hpp"

@@ -11,7 +11,7 @@
 
 namespace moh {
 
-/// The causal mask of a call (bottom-right aligned, SEMANTICS 1).
+/// The causal mask of a call (bottom-right aligned, docs/semantics.md §1).
 enum class Causal {
   Auto,  // forward and forward_cross: off; forward_cached: on, so that a prompt fed in one call
          // equals the same prompt fed token by token
@@ -106,10 +106,10 @@ struct ForwardOptions {
   PaddingMask new_token_padding_mask;
   /// MoAAttention only: [batch, tokens], true = that query token is padding (fairseq's skip
   /// mask): no expert is routed or computed for it, its output row is 0, and it is left out of
-  /// the expert counts and the switch and cv losses (SEMANTICS 9).
+  /// the expert counts and the switch and cv losses (docs/semantics.md §9).
   PaddingMask query_padding_mask;
   /// An additive bias on the scores, [B or 1, H or 1, T, S] of the layer's scalar type, added
-  /// after the scaling and before the softmax (SEMANTICS 6): fairseq's attn_mask, ALiBi,
+  /// after the scaling and before the softmax (docs/semantics.md §6): fairseq's attn_mask, ALiBi,
   /// relative position biases, sliding windows (-inf hides a key). H is the layer's query heads;
   /// for MoAAttention it must be 1. A dimension given as 1 is broadcast, never copied.
   Tensor4Ref<false> attn_bias;

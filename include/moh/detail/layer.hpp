@@ -426,8 +426,8 @@ class AttentionLayer {
   }
 
   /// The bias and probability views of a call with `tokens` queries over `keys` keys, checked
-  /// against the shapes SEMANTICS 6 allows; the probabilities are zeroed (rows that no head
-  /// computes stay zero).
+  /// against the shapes docs/semantics.md §6 allows; the probabilities are zeroed (rows that no
+  /// head computes stay zero).
   ScoreExtras<T> score_extras(const ForwardOptions& o, Index batch, Index tokens,
                               Index keys) const {
     const char* name = Derived::kName;

@@ -1,5 +1,6 @@
 // Golden cases: a safetensors file that carries a layer's weights, an input and the expected
-// outputs (format "moh-case/1", see the project's FIXTURES.md), so that a model checks itself.
+// outputs (format "moh-case/1", the golden-case format of ../shared/spec/FIXTURES.md), so that a
+// model checks itself.
 //
 // run_case() builds the layer the metadata names ("mha", "moh", "moa", "moh_llama", "moh_vit",
 // "jetmoe"): its config comes from the metadata keys that are fields of the config (the same

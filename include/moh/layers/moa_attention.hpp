@@ -1,5 +1,5 @@
 // MoAAttention: Mixture of Attention heads (Zhang et al. 2022, arXiv 2210.05144), and its
-// multi-head-expert form in JetMoE (SEMANTICS 5 and 9).
+// multi-head-expert form in JetMoE (docs/semantics.md §5 and §9).
 //
 //   [K | V] = x_kv W_kv^T                          H_kv key/value heads of size d, shared by all
 //                                                   experts; x_kv = x, or a memory of width kdim
@@ -361,7 +361,8 @@ class MoAAttention : public detail::AttentionLayer<MoAAttention<T>, T, MoARoutin
       else
         p.Y.setZero();
     };
-    auto zero_padded_rows = [&] {  // a padded query's output is 0, bias included (SEMANTICS 9)
+    // A padded query's output is 0, bias included (docs/semantics.md §9).
+    auto zero_padded_rows = [&] {
       if (!p.query_padding) return;
       for (Index i = 0; i < N; ++i)
         if (p.query_padding->data()[i]) p.Y.row(i).setZero();

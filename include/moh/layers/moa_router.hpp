@@ -39,7 +39,7 @@ struct MoARouting {
   // [B*T, k]: the experts of each token's slots; -1 for a query padding token (no expert)
   Eigen::Matrix<Index, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> selected;
   std::vector<Index> expert_counts;  // [E]: (token, slot) pairs routed to each expert
-  // The losses of SEMANTICS 5 over the call's tokens (query padding excluded but from z).
+  // The losses of docs/semantics.md §5 over the call's tokens (query padding excluded but from z).
   T switch_loss = 0, z_loss = 0, cv_loss = 0;
 
   /// Fraction of expert slots used: k / E.
@@ -92,7 +92,7 @@ struct MoAGates {
 
 /// Routes from g.logits (already x W_g) into the rest of `g`. Rows that `padding` ([rows], or
 /// null) marks get p = 0, no expert (selected -1) and no gate, and are left out of the counts
-/// and the switch and cv losses; the z-loss still averages over every row (SEMANTICS 9).
+/// and the switch and cv losses; the z-loss still averages over every row (docs/semantics.md §9).
 template <class T>
 void route_moa(MoAGating gating, const MoAGates<T>& g, Arena& arena,
                const bool* padding = nullptr) {

@@ -8,11 +8,11 @@
 // are on; keys and values are computed for every token. ComputeMode::Dense computes every head
 // and multiplies by the gate: the reference the sparse path is tested against.
 // MoHRouterKind::QueryNorm with RoPE, grouped-query heads, no bias and a KvCache is MoH-LLaMA3.
-// The options of the authors' ViT/DiT modules (SEMANTICS 7): qkv_bias apart from proj_bias, and
-// qk_norm (one LayerNorm(d) on every query and key head). MoHScores::Cosine is MoH-ViT
-// (SEMANTICS 8): TransNeXt's last-stage cosine attention with a per-head temperature, a query
-// embedding, the ln(N_0) scale and a continuous position bias that the layer computes from its
-// cpb_fc1/cpb_fc2 MLP for each token grid (once per grid, then kept).
+// The options of the authors' ViT/DiT modules (docs/semantics.md §7): qkv_bias apart from
+// proj_bias, and qk_norm (one LayerNorm(d) on every query and key head). MoHScores::Cosine is
+// MoH-ViT (docs/semantics.md §8): TransNeXt's last-stage cosine attention with a per-head
+// temperature, a query embedding, the ln(N_0) scale and a continuous position bias that the layer
+// computes from its cpb_fc1/cpb_fc2 MLP for each token grid (once per grid, then kept).
 // Self-, cross- and cached attention come from the shared skeleton (detail/layer.hpp).
 #pragma once
 
@@ -37,8 +37,8 @@ namespace moh {
 
 /// How a MoH layer scores a query against a key.
 enum class MoHScores {
-  Dot,     // q k^T / sqrt(d) (SEMANTICS 1): MoH-DiT, MoH-LLaMA3, ViTs with plain attention
-  Cosine,  // MoH-ViT's cosine attention with a continuous position bias (SEMANTICS 8)
+  Dot,     // q k^T / sqrt(d) (docs/semantics.md §1): MoH-DiT, MoH-LLaMA3, plain-attention ViTs
+  Cosine,  // MoH-ViT's cosine attention with a continuous position bias (docs/semantics.md §8)
 };
 
 template <>
@@ -54,10 +54,10 @@ struct MoHConfig : HeadsConfig {
   MoHRouterKind router = MoHRouterKind::Learned;
   bool qkv_bias = true;   // a bias on the query/key/value projection (the authors' qkv_bias)
   bool proj_bias = true;  // a bias on the output projection (always there in the ViT/DiT code)
-  bool qk_norm = false;   // LayerNorm(d) on every query and key head (SEMANTICS 7)
+  bool qk_norm = false;   // LayerNorm(d) on every query and key head (docs/semantics.md §7)
   MoHScores scores = MoHScores::Dot;
-  // MoHScores::Cosine only (SEMANTICS 8): the grid the model was pretrained on (position bias
-  // coordinates are scaled by it; each side >= 2), N_0 of the ln(N_0) scale (the tokens of the
+  // MoHScores::Cosine only (docs/semantics.md §8): the grid the model was pretrained on (position
+  // bias coordinates are scaled by it; each side >= 2), N_0 of the ln(N_0) scale (the tokens of the
   // grid the layer was built for), and the hidden width of the position-bias MLP.
   Index pretrain_h = 0, pretrain_w = 0, train_tokens = 0;
   Index cpb_hidden = 512;
@@ -141,8 +141,8 @@ struct MoHConfig : HeadsConfig {
 
 namespace detail {
 
-/// The continuous position bias of MoH-ViT (SEMANTICS 8) for one token grid, kept by a layer per
-/// grid: [H, T, T] row-major, T = grid_h grid_w.
+/// The continuous position bias of MoH-ViT (docs/semantics.md §8) for one token grid, kept by a
+/// layer per grid: [H, T, T] row-major, T = grid_h grid_w.
 template <class T>
 struct GridBias {
   Index grid_h = 0, grid_w = 0;
@@ -329,7 +329,8 @@ class MoHAttention : public detail::AttentionLayer<MoHAttention<T>, T, MoHRoutin
   std::size_t weight_bytes() const { return proj_.weight_bytes(); }
 
   /// Cosine attention: the position bias [H, T, T] (row-major, T = grid_h grid_w) that the layer
-  /// adds to the scores of a grid_h x grid_w grid, from its cpb_fc1/cpb_fc2 MLP (SEMANTICS 8).
+  /// adds to the scores of a grid_h x grid_w grid, from its cpb_fc1/cpb_fc2 MLP
+  /// (docs/semantics.md §8).
   std::vector<T> position_bias(Index grid_h, Index grid_w) const {
     require_cosine("position_bias");
     check_grid(grid_h, grid_w, grid_h * grid_w);
@@ -439,7 +440,7 @@ class MoHAttention : public detail::AttentionLayer<MoHAttention<T>, T, MoHRoutin
                     "expected a grid of ", tokens, " tokens, got ", grid_h, " x ", grid_w);
   }
 
-  /// The position bias of a grid, from the cache or computed now (SEMANTICS 8).
+  /// The position bias of a grid, from the cache or computed now (docs/semantics.md §8).
   std::shared_ptr<const detail::GridBias<T>> grid_bias(Index gh, Index gw) const {
     return grid_biases_.get(gh, gw, [&](std::vector<T>& out) {
       const Index H = this->shape().H, hid = config_.cpb_hidden, Tn = gh * gw;

@@ -67,8 +67,8 @@ struct AttentionKeysValues {
   const std::uint16_t* values_bf16 = nullptr;
 };
 
-/// An additive bias on the scores (SEMANTICS 6): query i and key j get row(i)[j] added after the
-/// scaling, where row(i) = data + offsets[i] when the queries come from several heads or
+/// An additive bias on the scores (docs/semantics.md §6): query i and key j get row(i)[j] added
+/// after the scaling, where row(i) = data + offsets[i] when the queries come from several heads or
 /// sequences (offsets given), else data + position(i) * row_stride; -inf hides the key. A block
 /// of keys that the bias hides from every query of a block is skipped. Not owned; data null =
 /// no bias.
