@@ -1,5 +1,5 @@
 // The layer skeleton every attention layer shares (moh/detail/layer.hpp), through the three
-// layers. Incremental decoding through KvCache (SEMANTICS sections 1 and 4): feeding a sequence
+// layers. Incremental decoding through KvCache (docs/semantics.md §1 and §4): feeding a sequence
 // to forward_cached() as a prompt and then token by token (or in chunks) must give what one
 // causal forward() over the whole sequence gives, for MultiHeadAttention (GQA + RoPE),
 // MoHAttention with the learned router and with the query-norm router (MoH-LLaMA3: RoPE, GQA, no

@@ -156,7 +156,7 @@ struct HandCase {
 };
 
 /// An "mha" case built here: B = 2, T = 4, D = 6, H = 2, d = 3, causal, with the last token of
-/// sequence 1 padded. y comes from a naive double MHA written out below (SEMANTICS section 2).
+/// sequence 1 padded. y comes from a naive double MHA written out below (docs/semantics.md §2).
 HandCase hand_built_mha(const std::function<void(std::vector<float>&)>& corrupt_y = nullptr) {
   const Index B = 2, T = 4, D = 6, H = 2, d = 3;
   const moh::Matrix<float> W = moh_test::random_matrix<float>(3 * H * d, D, 1, 0.5);

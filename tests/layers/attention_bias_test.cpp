@@ -1,6 +1,6 @@
-// The additive attention bias (SEMANTICS 6) and the attention probabilities on request, as every
-// layer takes them through ForwardOptions: broadcasting, -inf as a mask (and the key blocks it
-// hides skipped), decoding with a bias, thread independence, and the errors of bad shapes and
+// The additive attention bias (docs/semantics.md §6) and the attention probabilities on request, as
+// every layer takes them through ForwardOptions: broadcasting, -inf as a mask (and the key blocks
+// it hides skipped), decoding with a bias, thread independence, and the errors of bad shapes and
 // types. The numbers against the naive reference are in reference/naive_families_test.cpp and
 // the layers' own family tests.
 #include <gtest/gtest.h>

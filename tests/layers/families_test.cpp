@@ -1,8 +1,9 @@
-// The model families of SEMANTICS 6-9 as the layers compute them, against the naive references
-// of reference/naive_families.hpp: MoH's qkv_bias / qk_norm / dense weighted-sum options,
-// MoH-ViT's cosine attention with its position bias, fairseq MoA's query padding and memory of
-// another width, and JetMoE's multi-head experts, on odd sizes with masks and a bias together,
-// in both compute modes; then decoding, caches, weights by name and the errors of bad settings.
+// The model families of docs/semantics.md §6-9 as the layers compute them, against the naive
+// references of reference/naive_families.hpp: MoH's qkv_bias / qk_norm / dense weighted-sum
+// options, MoH-ViT's cosine attention with its position bias, fairseq MoA's query padding and
+// memory of another width, and JetMoE's multi-head experts, on odd sizes with masks and a bias
+// together, in both compute modes; then decoding, caches, weights by name and the errors of bad
+// settings.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -91,7 +92,7 @@ double max_prob_error(const Tensor4<T>& got, const moh_ref::Probs& want) {
   return err;
 }
 
-// ---- MoH: the authors' module options (SEMANTICS 7) ---------------------------------------------
+// ---- MoH: the authors' module options (docs/semantics.md §7) ------------------------------------
 
 template <class T>
 moh_ref::MoHFamilyWeights moh_family_weights(const moh::MoHAttention<T>& m) {
@@ -176,7 +177,7 @@ TYPED_TEST(FamiliesTest, MoHDenseWeightedSumVariantMatchesTheReference) {
   }
 }
 
-// ---- MoH-ViT (SEMANTICS 8) ---------------------------------------------------------------------
+// ---- MoH-ViT (docs/semantics.md §8) -------------------------------------------------------------
 
 template <class T>
 moh_ref::MoHVitWeights vit_weights(const moh::MoHAttention<T>& m) {
@@ -254,8 +255,8 @@ TYPED_TEST(FamiliesTest, MoHVitOnAnotherGridThanItsPretrainingMatchesTheReferenc
 
 TYPED_TEST(FamiliesTest, MoHVitWithQkNormNormalisesBeforeTheCosine) {
   using T = TypeParam;
-  // FIXTURES allows qk_norm on moh_vit: LayerNorm(d) on each head (SEMANTICS 7), then the
-  // cosine attention of SEMANTICS 8 on the normalised heads.
+  // FIXTURES allows qk_norm on moh_vit: LayerNorm(d) on each head (docs/semantics.md §7), then the
+  // cosine attention of docs/semantics.md §8 on the normalised heads.
   moh::MoHConfig c = moh::MoHConfig::vit(20, 4, 1, 2, 4, 4);
   c.cpb_hidden = 6;
   c.qkv_bias = false;
@@ -345,7 +346,7 @@ TYPED_TEST(FamiliesTest, LoadingWeightsOfAnotherModuleNamesIt) {
                             {"blocks.0.attn.qkv.bias", "qkv_bias = false"}));
 }
 
-// ---- MoA: query padding and a memory of another width (SEMANTICS 9) ------------------------------
+// ---- MoA: query padding and a memory of another width (docs/semantics.md §9) --------------------
 
 TYPED_TEST(FamiliesTest, MoAWithQueryPaddingAMemoryOfAnotherWidthAndABiasMatchesTheReference) {
   using T = TypeParam;
@@ -450,7 +451,7 @@ TYPED_TEST(FamiliesTest, KdimAndTopKAreCheckedWithNamedErrors) {
                             {"query_padding_mask", "[2, 3]", "[2, 4]"}));
 }
 
-// ---- JetMoE: multi-head experts (SEMANTICS 9) ---------------------------------------------------
+// ---- JetMoE: multi-head experts (docs/semantics.md §9) ------------------------------------------
 
 template <class T>
 moh_ref::JetMoEWeights jetmoe_weights(const moh::MoAAttention<T>& m) {

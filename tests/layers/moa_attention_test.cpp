@@ -1,7 +1,7 @@
-// Tests for moh::MoAAttention against the naive reference (SEMANTICS 5): both compute modes over
-// odd sizes and (E, k) combinations, masks, cross-attention, k = E as a gate-weighted sum of every
-// expert, the JetMoE gating option, thread-count independence, weights that must be set before a
-// forward call, and the messages of bad input.
+// Tests for moh::MoAAttention against the naive reference (docs/semantics.md §5): both compute
+// modes over odd sizes and (E, k) combinations, masks, cross-attention, k = E as a gate-weighted
+// sum of every expert, the JetMoE gating option, thread-count independence, weights that must be
+// set before a forward call, and the messages of bad input.
 #include "moh/layers/moa_attention.hpp"
 
 #include <gtest/gtest.h>

@@ -1,5 +1,5 @@
-// Tests for the MoA router (moa_router.hpp, SEMANTICS 5): selection, gates (default and JetMoE),
-// and the switch, z and cv losses, on hand-computed cases and against the naive reference.
+// Tests for the MoA router (moa_router.hpp, docs/semantics.md §5): selection, gates (default and
+// JetMoE), and the switch, z and cv losses, on hand-computed cases and against the naive reference.
 #include "moh/layers/moa_router.hpp"
 
 #include <gtest/gtest.h>

@@ -1,8 +1,8 @@
-// Tests for moh::MoHAttention against the naive reference (SEMANTICS 3 and 4): both compute modes
-// over activation ratios and odd sizes, masks, grouped-query heads, the query-norm router with
-// RoPE, the reduction to MHA, cross-attention (queries and routing from x, keys and values from
-// the memory), thread-count independence, weights that must be set before a forward call, and
-// the messages of bad input.
+// Tests for moh::MoHAttention against the naive reference (docs/semantics.md §3 and §4): both
+// compute modes over activation ratios and odd sizes, masks, grouped-query heads, the query-norm
+// router with RoPE, the reduction to MHA, cross-attention (queries and routing from x, keys and
+// values from the memory), thread-count independence, weights that must be set before a forward
+// call, and the messages of bad input.
 #include "moh/layers/moh_attention.hpp"
 
 #include <gtest/gtest.h>
@@ -160,7 +160,7 @@ TYPED_TEST(MoHTest, GroupedQueryHeadsMatchReference) {
       }
 }
 
-// MoH-LLaMA3: query-norm router, RoPE, grouped-query heads, no bias, causal (SEMANTICS 4).
+// MoH-LLaMA3: query-norm router, RoPE, grouped-query heads, no bias, causal (docs/semantics.md §4).
 TYPED_TEST(MoHTest, QueryNormRouterWithRopeMatchesReference) {
   using T = TypeParam;
   const MoHAttention<T> m(moh_config(10, 6, 2, 2, MoHRouterKind::QueryNorm, 2, 6, false, true),
@@ -181,8 +181,8 @@ TYPED_TEST(MoHTest, QueryNormRouterWithRopeMatchesReference) {
     }
 }
 
-// SEMANTICS 3, "Reduction to MHA": every head active and zero router weights -> every gate is
-// exactly 1 and MoH equals MHA with the same projections.
+// docs/semantics.md §3, "Reduction to MHA": every head active and zero router weights -> every gate
+// is exactly 1 and MoH equals MHA with the same projections.
 TYPED_TEST(MoHTest, ReducesToMhaWithEveryHeadActiveAndZeroRouter) {
   using T = TypeParam;
   const Index D = 10, Tn = 17, B = 2;
@@ -271,9 +271,9 @@ TYPED_TEST(MoHTest, UnpickedHeadsDoNotAffectOutput) {
   }
 }
 
-// forward_cross (SEMANTICS 2 and 3): queries and routing from x, keys and values from the memory,
-// the key padding mask over the memory's keys, bottom-right causal alignment. Odd lengths on
-// both sides, head sizes 5 and 6, both routers (the query-norm one with RoPE: queries from the
+// forward_cross (docs/semantics.md §2 and §3): queries and routing from x, keys and values from the
+// memory, the key padding mask over the memory's keys, bottom-right causal alignment. Odd lengths
+// on both sides, head sizes 5 and 6, both routers (the query-norm one with RoPE: queries from the
 // position offset, keys from 0), both modes.
 TYPED_TEST(MoHTest, CrossAttentionMatchesReferenceInBothModes) {
   using T = TypeParam;

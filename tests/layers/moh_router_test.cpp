@@ -1,7 +1,7 @@
-// Tests for the MoH routers (moh_router.hpp, SEMANTICS 3 and 4): the learned two-stage router and
-// the query-norm router against the naive reference, the invariants of the MoHRouting record
-// (exactly K routed heads, zero gates elsewhere, gate sums, head counts, active fraction) and the
-// load-balance loss on cases derived by hand.
+// Tests for the MoH routers (moh_router.hpp, docs/semantics.md §3 and §4): the learned two-stage
+// router and the query-norm router against the naive reference, the invariants of the MoHRouting
+// record (exactly K routed heads, zero gates elsewhere, gate sums, head counts, active fraction)
+// and the load-balance loss on cases derived by hand.
 #include "moh/layers/moh_router.hpp"
 
 #include <gtest/gtest.h>
@@ -56,7 +56,7 @@ moh_ref::MoHGates reference(const MoHTwoStageRouter<T>& router, const Matrix<T>&
                                   to_ref(router.shared_weight()), to_ref(router.mix_weight()));
 }
 
-/// [a_s, a_r] = 2 softmax(x W_m^T) of row n, in double (SEMANTICS 3.3).
+/// [a_s, a_r] = 2 softmax(x W_m^T) of row n, in double (docs/semantics.md §3.3).
 std::pair<double, double> mix_of(const Mat& X, const Mat& Wm, Index n) {
   double l0 = 0, l1 = 0;
   for (Index c = 0; c < X.cols(); ++c) {
@@ -125,9 +125,9 @@ TYPED_TEST(MoHRouterTest, ExactlyKRoutedHeadsAndZeroGatesElsewhere) {
   }
 }
 
-// SEMANTICS 3: sum of the kept g_r = K (before the mix), sum of g_s = S_h softmax sums = S_h, so
-// after the mix the routed gates sum to K a_r and the shared ones to S_h a_s; with one group
-// only there is no mix (a = 1).
+// docs/semantics.md §3: sum of the kept g_r = K (before the mix), sum of g_s = S_h softmax sums =
+// S_h, so after the mix the routed gates sum to K a_r and the shared ones to S_h a_s; with one
+// group only there is no mix (a = 1).
 TYPED_TEST(MoHRouterTest, GateSumsFollowTheMix) {
   using T = TypeParam;
   const Index D = 7, B = 2, Tn = 3;
@@ -291,7 +291,7 @@ TYPED_TEST(MoHRouterTest, PoolDoesNotChangeBits) {
   }
 }
 
-// ---- query-norm router (SEMANTICS 4) ------------------------------------------------------------
+// ---- query-norm router (docs/semantics.md §4) ---------------------------------------------------
 
 TYPED_TEST(MoHRouterTest, QueryNormMatchesReference) {
   using T = TypeParam;
@@ -328,7 +328,8 @@ TYPED_TEST(MoHRouterTest, QueryNormIsScaleInvariant) {
 }
 
 // Every routed head with the same norm (permuted copies of one vector): std(l) = 0. The library
-// documents z = 0 then (SEMANTICS leaves 0/0 open): p is uniform and ties go to the lower index.
+// documents z = 0 then (docs/semantics.md leaves 0/0 open): p is uniform and ties go to the lower
+// index.
 TYPED_TEST(MoHRouterTest, QueryNormEqualNormsKeepLowestIndices) {
   using T = TypeParam;
   const Index d = 3, H = 5, S = 1, K = 2;
@@ -340,9 +341,9 @@ TYPED_TEST(MoHRouterTest, QueryNormEqualNormsKeepLowestIndices) {
   for (Index e = 0; e < H - S; ++e) EXPECT_NEAR(g.routed_probs(0, e), T(0.25), T(1e-6));
 }
 
-// The layer routes on queries before RoPE (SEMANTICS 4): its record equals the reference router
-// applied to Linear(x; W_q, b_q). (RoPE is a rotation per head, so it would keep the norms in
-// exact arithmetic; the check is that the layer routes on the right queries at all, including a
+// The layer routes on queries before RoPE (docs/semantics.md §4): its record equals the reference
+// router applied to Linear(x; W_q, b_q). (RoPE is a rotation per head, so it would keep the norms
+// in exact arithmetic; the check is that the layer routes on the right queries at all, including a
 // large position offset.)
 TYPED_TEST(MoHRouterTest, LayerQueryNormRoutesOnPreRopeQueries) {
   using T = TypeParam;

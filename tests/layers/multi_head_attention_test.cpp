@@ -1,5 +1,5 @@
-// Tests for moh::MultiHeadAttention against the naive reference (SEMANTICS 1 and 2): odd sizes,
-// causal and padding masks, fully masked rows, cross-attention, grouped-query heads, RoPE, a
+// Tests for moh::MultiHeadAttention against the naive reference (docs/semantics.md §1 and §2): odd
+// sizes, causal and padding masks, fully masked rows, cross-attention, grouped-query heads, RoPE, a
 // sequence longer than one key block, thread-count independence, weights that must be set before
 // a forward call, and the messages of bad input.
 #include "moh/layers/multi_head_attention.hpp"
@@ -207,7 +207,7 @@ TYPED_TEST(MhaTest, CallOperatorEqualsForward) {
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)), 0);
 }
 
-// Results must not depend on the number of threads (SEMANTICS 1): bitwise, for self- and
+// Results must not depend on the number of threads (docs/semantics.md §1): bitwise, for self- and
 // cross-attention, on sizes large enough to split every stage into several tasks.
 TYPED_TEST(MhaTest, ThreadCountDoesNotChangeBits) {
   using T = TypeParam;
@@ -284,8 +284,8 @@ TEST(MhaWeights, WithoutBiasOnlyTheTwoMatricesAreNeeded) {
   EXPECT_LE(relative_error(y, reference(seeded, x)), Tol<double>::rel);
 }
 
-// moh::zero_weights is what a layer built from its config used to be: every weight and bias 0,
-// so every output is exactly 0.
+// moh::zero_weights builds a layer whose every weight and bias is 0, so every output is exactly
+// 0.
 TYPED_TEST(MhaTest, ZeroWeightsGiveZeroOutput) {
   using T = TypeParam;
   const MultiHeadAttention<T> m(mha_config(10, 2, 1, 5), moh::zero_weights);

@@ -1,6 +1,7 @@
-// Tests for moh/ops/rope.hpp: hand-computed rotations (rotate-half convention, SEMANTICS section
-// 4), position 0 is the identity, the norm is kept, rotations compose and only relative positions
-// matter for dot products, and RopeTable (in storage the caller provides) agrees with rope_apply.
+// Tests for moh/ops/rope.hpp: hand-computed rotations (rotate-half convention,
+// docs/semantics.md §4), position 0 is the identity, the norm is kept, rotations compose and only
+// relative positions matter for dot products, and RopeTable (in storage the caller provides) agrees
+// with rope_apply.
 #include "moh/ops/rope.hpp"
 
 #include <gtest/gtest.h>

@@ -1,9 +1,9 @@
-// Naive double-precision references for the moh layers, written from spec/SEMANTICS.md alone.
+// Naive double-precision references for the moh layers, written from docs/semantics.md alone.
 //
 // Plain loops over plain matrices, no tiling, no online softmax, no sparse paths: slow and
 // obvious, so that a disagreement with the library points at the library. Every matrix is an
 // Eigen::MatrixXd used only as storage (rows = tokens, columns = features); every product is an
-// explicit loop. Sections of SEMANTICS.md are cited where a formula is implemented.
+// explicit loop. Sections of docs/semantics.md are cited where a formula is implemented.
 //
 // The last section bridges moh's types (float or double) to these references; it is the only
 // part that knows about the library. Random inputs, comparisons and tolerances are the shared
@@ -99,7 +99,7 @@ inline std::vector<double> row(const Mat& M, int r) {
   return v;
 }
 
-/// RoPE (SEMANTICS 4, rotate-half) of one head vector x[0, d) at position m, in place.
+/// RoPE (docs/semantics.md §4, rotate-half) of one head vector x[0, d) at position m, in place.
 inline void rope(double* x, int d, double m, double base) {
   const int half = d / 2;
   for (int j = 0; j < half; ++j) {
@@ -112,7 +112,7 @@ inline void rope(double* x, int d, double m, double base) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// SEMANTICS 1: one head of scaled dot-product attention
+// docs/semantics.md §1: one head of scaled dot-product attention
 // ------------------------------------------------------------------------------------------------
 
 /// q [T, d], k [S, d], v [S, d]; causal masks key j for query i when j > i + (S - T); `pad`
@@ -151,7 +151,7 @@ struct AttnOptions {
 };
 
 // ------------------------------------------------------------------------------------------------
-// SEMANTICS 2: dense multi-head attention (also the per-head outputs MoH gates)
+// docs/semantics.md §2: dense multi-head attention (also the per-head outputs MoH gates)
 // ------------------------------------------------------------------------------------------------
 
 /// Query head h and key/value head g of sequence b: q [T, d] from Q [B*T, H d], k and v [S, d]
@@ -178,7 +178,7 @@ struct MhaWeights {
   Mat W_out;  // [D, H d]
   Vec b_out;  // [D] or empty
   bool rope = false;
-  double rope_theta = 10000.0;  // RoPE base (SEMANTICS 4)
+  double rope_theta = 10000.0;  // RoPE base (docs/semantics.md §4)
 };
 
 /// Rows [first, first + count) of W (and b) as a Linear of their own.
@@ -239,7 +239,7 @@ inline Mat naive_mha_cross(const MhaWeights& w, const Mat& X, int B, int T, cons
 }
 
 // ------------------------------------------------------------------------------------------------
-// SEMANTICS 3 and 4: MoH routers and MoH attention
+// docs/semantics.md §3 and §4: MoH routers and MoH attention
 // ------------------------------------------------------------------------------------------------
 
 /// What a MoH router decided for N tokens.
@@ -261,7 +261,7 @@ inline MoHGates no_gates(int N, int H, int E) {
   return g;
 }
 
-/// L_b = E sum_i f_i P_i over the routed heads (SEMANTICS 3), plus head counts.
+/// L_b = E sum_i f_i P_i over the routed heads (docs/semantics.md §3), plus head counts.
 inline void finish_gates(MoHGates& g, int H, int S) {
   const int N = static_cast<int>(g.active.size()), E = H - S;
   g.head_counts.assign(H, 0);
@@ -280,8 +280,8 @@ inline void finish_gates(MoHGates& g, int H, int S) {
   g.load_balance_loss = E * sum;
 }
 
-/// Learned two-stage router (SEMANTICS 3). X [N, D]; Wr [H-S, D] (when K > 0), Ws [S, D] (when
-/// S > 1), Wm [2, D] (when S > 0 and K > 0).
+/// Learned two-stage router (docs/semantics.md §3). X [N, D]; Wr [H-S, D] (when K > 0), Ws [S, D]
+/// (when S > 1), Wm [2, D] (when S > 0 and K > 0).
 inline MoHGates naive_moh_gates(const Mat& X, int H, int S, int K, const Mat& Wr, const Mat& Ws,
                                 const Mat& Wm) {
   const int N = static_cast<int>(X.rows()), E = H - S;
@@ -325,7 +325,7 @@ inline MoHGates naive_moh_gates(const Mat& X, int H, int S, int K, const Mat& Wr
   return g;
 }
 
-/// Query-norm router (SEMANTICS 4). Q [N, H d] queries before RoPE. Gates are 0/1.
+/// Query-norm router (docs/semantics.md §4). Q [N, H d] queries before RoPE. Gates are 0/1.
 inline MoHGates naive_moh_gates_query_norm(const Mat& Q, int H, int d, int S, int K) {
   const int N = static_cast<int>(Q.rows()), E = H - S;
   MoHGates g = no_gates(N, H, E);
@@ -359,7 +359,8 @@ inline MoHGates naive_moh_gates_query_norm(const Mat& Q, int H, int d, int S, in
   return g;
 }
 
-/// concat_h (g_h o_h) projected (SEMANTICS 3.4): heads O [B*T, H d] scaled by gates [B*T, H].
+/// concat_h (g_h o_h) projected (docs/semantics.md §3.4): heads O [B*T, H d] scaled by gates
+/// [B*T, H].
 inline Mat naive_gated_output(const MhaWeights& w, const Mat& gates, Mat O) {
   for (int n = 0; n < O.rows(); ++n)
     for (int h = 0; h < w.H; ++h)
@@ -367,15 +368,15 @@ inline Mat naive_gated_output(const MhaWeights& w, const Mat& gates, Mat O) {
   return linear(O, w.W_out, w.b_out);
 }
 
-/// MoH output (SEMANTICS 3.4): every head computed densely, scaled by its gate, projected.
+/// MoH output (docs/semantics.md §3.4): every head computed densely, scaled by its gate, projected.
 /// gates [B*T, H].
 inline Mat naive_moh(const MhaWeights& w, const Mat& gates, const Mat& X, int B, int T,
                      const AttnOptions& o) {
   return naive_gated_output(w, gates, naive_mha_heads(w, X, B, T, X, T, o));
 }
 
-/// MoH cross-attention (SEMANTICS 2 and 3): queries and gates from X [B*T, D] (gates [B*T, H],
-/// routed on X), keys and values from the memory M [B*S, D]; RoPE positions as in
+/// MoH cross-attention (docs/semantics.md §2 and §3): queries and gates from X [B*T, D] (gates
+/// [B*T, H], routed on X), keys and values from the memory M [B*S, D]; RoPE positions as in
 /// naive_mha_heads' cross-attention (queries offset + t, keys s).
 inline Mat naive_moh_cross(const MhaWeights& w, const Mat& gates, const Mat& X, int B, int T,
                            const Mat& M, int S, const AttnOptions& o) {
@@ -383,7 +384,7 @@ inline Mat naive_moh_cross(const MhaWeights& w, const Mat& gates, const Mat& X, 
 }
 
 // ------------------------------------------------------------------------------------------------
-// SEMANTICS 5: Mixture of Attention heads
+// docs/semantics.md §5: Mixture of Attention heads
 // ------------------------------------------------------------------------------------------------
 
 /// Weights of MoA.
@@ -405,7 +406,7 @@ struct MoARoute {
   double switch_loss = 0.0, z_loss = 0.0, cv_loss = 0.0;
 };
 
-/// The MoA router (SEMANTICS 5.1 and its losses, with section 9's query padding) from logits
+/// The MoA router (docs/semantics.md §5.1 and its losses, with §9's query padding) from logits
 /// [N, E]. `query_pad` [N] (empty = none): a padded token gets p = 0 and no expert (empty
 /// `selected`, zero gates), and is left out of counts, the switch loss and the cv-loss; the
 /// z-loss mean_t (logsumexp_e l_te)^2 runs over all N tokens, padded ones included (their own

@@ -1,5 +1,5 @@
 // Naive loop references for the building blocks (linear, scaled dot-product attention). Everything
-// accumulates in double with plain loops, written straight from SEMANTICS.md section 1, so it
+// accumulates in double with plain loops, written straight from docs/semantics.md §1, so it
 // shares no code with the library. The shared test helpers (random inputs, max_abs_diff,
 // scale_of, ...) come from test_helpers.hpp, included here for the tests that compare against
 // these references.

@@ -1,11 +1,11 @@
-// Naive double-precision references for SEMANTICS.md sections 6-9 (the layer families and
-// options beyond sections 1-5), written from spec/SEMANTICS.md alone, in the style of naive.hpp:
+// Naive double-precision references for docs/semantics.md §6-9 (the layer families and
+// options beyond §1-5), written from docs/semantics.md alone, in the style of naive.hpp:
 // plain loops over plain matrices, every product an explicit loop, no library layer, kernel or op.
 //
-//   section 6  additive attention bias M [B|1, H|1, T, S]          AttnBias, attend_scores()
-//   section 7  MoH module options: qkv_bias, qk_norm, dense S_h=H  naive_moh_family()
-//   section 8  MoH-ViT cosine attention with a continuous bias     naive_moh_vit(), naive_cpb_bias()
-//   section 9  MoA query padding, kdim cross-attention, cv-loss    naive_moa_family()
+//   §6         additive attention bias M [B|1, H|1, T, S]          AttnBias, attend_scores()
+//   §7         MoH module options: qkv_bias, qk_norm, dense S_h=H  naive_moh_family()
+//   §8         MoH-ViT cosine attention with a continuous bias     naive_moh_vit(), naive_cpb_bias()
+//   §9         MoA query padding, kdim cross-attention, cv-loss    naive_moa_family()
 //              JetMoE multi-head experts                          naive_jetmoe()
 //   and the attention probabilities of MHA                         naive_mha_family()
 //
@@ -31,8 +31,9 @@ namespace moh_ref {
 // Call inputs and outputs shared by the families
 // ------------------------------------------------------------------------------------------------
 
-/// SEMANTICS 6: an additive bias M [Bm, Hm, T, S], row-major in `values`, with Bm in {1, B} and
-/// Hm in {1, H}: a dimension of size 1 is broadcast. -inf means "masked". Empty = no bias.
+/// docs/semantics.md §6: an additive bias M [Bm, Hm, T, S], row-major in `values`, with
+/// Bm in {1, B} and Hm in {1, H}: a dimension of size 1 is broadcast. -inf means "masked".
+/// Empty = no bias.
 struct AttnBias {
   int B = 0, H = 0, T = 0, S = 0;
   std::vector<double> values;  // B*H*T*S entries, row-major
@@ -69,10 +70,10 @@ struct FamilyInput {
   Mat x;                    // [B*T, D]
   Mat memory;               // [B*S, D_kv]; 0 rows = self-attention
   int S = 0;                // memory tokens per batch entry (ignored for self-attention)
-  bool causal = false;      // SEMANTICS 1: key j masked for query i when j > i + (S - T)
+  bool causal = false;      // docs/semantics.md §1: key j masked for query i when j > i + (S - T)
   PadMask key_padding;      // [B][S], true = padding key; empty = none
-  AttnBias bias;            // SEMANTICS 6; empty = none
-  PadMask query_padding;    // [B][T], true = padding query (MoA only, SEMANTICS 9); empty = none
+  AttnBias bias;            // docs/semantics.md §6; empty = none
+  PadMask query_padding;    // [B][T], true = padding query (MoA, docs/semantics.md §9); empty: none
   int position_offset = 0;  // RoPE position of query 0, and of key 0 in self-attention
 
   bool self() const { return memory.rows() == 0; }
@@ -104,7 +105,7 @@ inline void check_bias(const FamilyInput& in, int H) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// SEMANTICS 1 + 6: one head's softmax over given scores
+// docs/semantics.md §1 + §6: one head's softmax over given scores
 // ------------------------------------------------------------------------------------------------
 
 /// What one head computed: o [T, dv] and A [T, S].
@@ -113,10 +114,10 @@ struct HeadOut {
 };
 
 /// One head from its already-scaled scores [T, S] (q k^T / sqrt(d) for dot-product attention):
-/// adds `bias(t, s)` (SEMANTICS 6; `bias` may be null = none) after the scaling, drops keys
-/// masked by causality (j > i + (S - T)) or padding (`pad` [S] or empty), softmaxes each row
+/// adds `bias(t, s)` (docs/semantics.md §6; `bias` may be null = none) after the scaling, drops
+/// keys masked by causality (j > i + (S - T)) or padding (`pad` [S] or empty), softmaxes each row
 /// stably over the keys whose score is finite, and returns A and A v. A row with no finite
-/// score is zeros in both A and o (SEMANTICS 1 and 6).
+/// score is zeros in both A and o (docs/semantics.md §1 and §6).
 template <class BiasFn>
 HeadOut attend_scores(const Mat& scores, const Mat& v, bool causal, const std::vector<bool>& pad,
                       const BiasFn* bias) {
@@ -160,8 +161,8 @@ inline Mat dot_scores(const Mat& q, const Mat& k, double scale) {
   return s;
 }
 
-/// SEMANTICS 1 + 6 for one head of dot-product attention: q [T, d], k [S, d], v [S, dv], scale
-/// 1/sqrt(d); `bias` [T, S] (0x0 = none) added after the scaling.
+/// docs/semantics.md §1 + §6 for one head of dot-product attention: q [T, d], k [S, d], v [S, dv],
+/// scale 1/sqrt(d); `bias` [T, S] (0x0 = none) added after the scaling.
 inline HeadOut naive_biased_attention(const Mat& q, const Mat& k, const Mat& v, bool causal,
                                       const std::vector<bool>& pad, const Mat& bias) {
   const auto fn = [&](int i, int j) { return bias(i, j); };
@@ -191,11 +192,11 @@ inline void layer_norm_row(double* x, int d, const Vec& w, const Vec& b, double 
 }
 
 // ------------------------------------------------------------------------------------------------
-// SEMANTICS 2 + 6 (+ 7's qk_norm): heads of MHA / MoH with a bias, and their probabilities
+// docs/semantics.md §2 + §6 (+ §7's qk_norm): heads of MHA/MoH with a bias and their probabilities
 // ------------------------------------------------------------------------------------------------
 
-/// SEMANTICS 7 `qk_norm`: LayerNorm(d) (eps 1e-5) on every query and key head row, q_norm for
-/// queries and k_norm for keys, shared by all heads. Empty vectors = off.
+/// docs/semantics.md §7 `qk_norm`: LayerNorm(d) (eps 1e-5) on every query and key head row, q_norm
+/// for queries and k_norm for keys, shared by all heads. Empty vectors = off.
 struct QkNorm {
   Vec q_w, q_b, k_w, k_b;  // [d] each
   bool on() const { return q_w.size() != 0; }
@@ -207,13 +208,13 @@ struct HeadsOut {
   Probs probs;  // [B, H, T, S]
 };
 
-/// Per-head attention of MHA/MoH (SEMANTICS 1, 2, 6, 7): Q, K, V = Linear(.; W_in, b_in) (b_in
-/// empty = qkv_bias off), keys/values from in.kv_input(); GQA head h -> kv head h / (H / Hkv);
-/// optional qk_norm after the split into heads and before RoPE and the scores; optional RoPE
-/// (queries at offset + t, keys at offset + s in self-attention, s in cross-attention); scores
-/// scaled by 1/sqrt(d), plus in.bias[b, h], causal and key padding. `active` [B*T][H] (empty =
-/// every head) marks which (token, head) pairs are computed: an inactive one gets a zero o row
-/// and a zero probability row.
+/// Per-head attention of MHA/MoH (docs/semantics.md §1, §2, §6, §7):
+/// Q, K, V = Linear(.; W_in, b_in) (b_in empty = qkv_bias off), keys/values from in.kv_input();
+/// GQA head h -> kv head h / (H / Hkv); optional qk_norm after the split into heads and before
+/// RoPE and the scores; optional RoPE (queries at offset + t, keys at offset + s in
+/// self-attention, s in cross-attention); scores scaled by 1/sqrt(d), plus in.bias[b, h], causal
+/// and key padding. `active` [B*T][H] (empty = every head) marks which (token, head) pairs are
+/// computed: an inactive one gets a zero o row and a zero probability row.
 inline HeadsOut naive_heads_family(const MhaWeights& w, const QkNorm& norm, const FamilyInput& in,
                                    const std::vector<std::vector<bool>>& active = {}) {
   const int H = w.H, d = w.d, Hkv = w.Hkv ? w.Hkv : w.H, B = in.B, T = in.T, S = in.keys();
@@ -255,14 +256,14 @@ inline HeadsOut naive_heads_family(const MhaWeights& w, const QkNorm& norm, cons
   return r;
 }
 
-/// MHA with everything of sections 1, 2 and 6.
+/// MHA with everything of §1, §2 and §6.
 struct MhaFamilyResult {
   Mat y;        // [B*T, D]
   Probs probs;  // [B, H, T, S]
 };
 
-/// SEMANTICS 2 + 6: y = Linear(concat_h o_h; W_out, b_out) for self- or cross-attention (per
-/// `in.memory`), with causal, key padding and the additive bias; also A per head.
+/// docs/semantics.md §2 + §6: y = Linear(concat_h o_h; W_out, b_out) for self- or cross-attention
+/// (per `in.memory`), with causal, key padding and the additive bias; also A per head.
 inline MhaFamilyResult naive_mha_family(const MhaWeights& w, const FamilyInput& in) {
   HeadsOut h = naive_heads_family(w, QkNorm(), in);
   MhaFamilyResult r;
@@ -272,7 +273,7 @@ inline MhaFamilyResult naive_mha_family(const MhaWeights& w, const FamilyInput& 
 }
 
 // ------------------------------------------------------------------------------------------------
-// SEMANTICS 3 + 6 + 7: the authors' MoH module (ViT/DiT Attention)
+// docs/semantics.md §3 + §6 + §7: the authors' MoH module (ViT/DiT Attention)
 // ------------------------------------------------------------------------------------------------
 
 /// Weights of the MoH ViT/DiT attention (FIXTURES `moh`).
@@ -284,7 +285,7 @@ struct MoHFamilyWeights {
   Mat Wr;           // wg.weight   [H - S_h, D] (K > 0)
   Mat Ws;           // wg_1.weight [S_h, D]     (S_h > 1)
   Mat Wm;           // wg_0.weight [2, D]       (S_h > 0 and K > 0)
-  QkNorm norm;      // qk_norm (section 7), empty = off
+  QkNorm norm;      // qk_norm (§7), empty = off
 };
 
 /// What a MoH-family layer computed for one call.
@@ -294,9 +295,10 @@ struct MoHFamilyResult {
   Probs probs;    // [B, H, T, S], zero rows for (token, head) pairs not active
 };
 
-/// SEMANTICS 3 with 6 and 7: gates from the learned two-stage router on x (the dense variant
-/// S_h = H, K = 0 gives g = H softmax(x W_s^T)), heads as naive_heads_family (qk_norm, bias,
-/// causal, padding, cross-attention on in.memory), y = Linear(concat_h g_h o_h; W_out, b_out).
+/// docs/semantics.md §3 with §6 and §7: gates from the learned two-stage router on x (the dense
+/// variant S_h = H, K = 0 gives g = H softmax(x W_s^T)), heads as naive_heads_family (qk_norm,
+/// bias, causal, padding, cross-attention on in.memory),
+/// y = Linear(concat_h g_h o_h; W_out, b_out).
 inline MoHFamilyResult naive_moh_family(const MoHFamilyWeights& w, const FamilyInput& in) {
   const int H = w.attn.H;
   require(w.shared >= 0 && w.routed_k >= 0 && w.shared + w.routed_k >= 1 &&
@@ -311,7 +313,7 @@ inline MoHFamilyResult naive_moh_family(const MoHFamilyWeights& w, const FamilyI
 }
 
 // ------------------------------------------------------------------------------------------------
-// SEMANTICS 8: MoH-ViT (TransNeXt's last-stage attention, routed as MoH)
+// docs/semantics.md §8: MoH-ViT (TransNeXt's last-stage attention, routed as MoH)
 // ------------------------------------------------------------------------------------------------
 
 /// Weights and settings of a moh_vit layer (FIXTURES `moh_vit`); head size d = D / H.
@@ -328,7 +330,7 @@ struct MoHVitWeights {
 };
 
 /// The continuous position bias P [H][T*T] (row-major [i, j]) over an h x w grid in row-major
-/// token order (SEMANTICS 8): r = ((y_i - y_j) 8 / (h_0 - 1), (x_i - x_j) 8 / (w_0 - 1)),
+/// token order (docs/semantics.md §8): r = ((y_i - y_j) 8 / (h_0 - 1), (x_i - x_j) 8 / (w_0 - 1)),
 /// c = sign(r) log2(|r| + 1) / log2(8), P[:, i, j] = W_2 relu(W_1 c + b_1) + b_2.
 inline std::vector<Mat> naive_cpb_bias(const MoHVitWeights& w, int grid_h, int grid_w) {
   require(w.pretrain_h >= 2 && w.pretrain_w >= 2, "moh_vit pretrain grid sides must be >= 2");
@@ -356,11 +358,12 @@ inline std::vector<Mat> naive_cpb_bias(const MoHVitWeights& w, int grid_h, int g
   return P;
 }
 
-/// SEMANTICS 8 (self-attention only, T = grid_h * grid_w): per head, q^ = q / max(|q|, 1e-12),
-/// k^ likewise, s_ij = ((q^_i + e_h) softplus(tau_h) ln(N_0)) . k^_j + P_h[i, j] (no 1/sqrt(d)),
-/// then in.bias (section 6), causal and key padding as for every layer, softmax, A v; gates and
-/// output projection as section 3 (with section 7's qkv_bias and qk_norm, the norm applied to
-/// the head rows before the L2 normalisation). Probabilities: zero rows for inactive heads.
+/// docs/semantics.md §8 (self-attention only, T = grid_h * grid_w): per head,
+/// q^ = q / max(|q|, 1e-12), k^ likewise, s_ij = ((q^_i + e_h) softplus(tau_h) ln(N_0)) . k^_j +
+/// P_h[i, j] (no 1/sqrt(d)), then in.bias (§6), causal and key padding as for every layer,
+/// softmax, A v; gates and output projection as §3 (with §7's qkv_bias and qk_norm, the norm
+/// applied to the head rows before the L2 normalisation). Probabilities: zero rows for inactive
+/// heads.
 inline MoHFamilyResult naive_moh_vit(const MoHVitWeights& w, const FamilyInput& in, int grid_h,
                                      int grid_w) {
   const MhaWeights& a = w.moh.attn;
@@ -422,10 +425,10 @@ inline MoHFamilyResult naive_moh_vit(const MoHVitWeights& w, const FamilyInput& 
 }
 
 // ------------------------------------------------------------------------------------------------
-// SEMANTICS 5 + 9: MoA with query padding, kdim cross-attention, cv-loss, and the bias
+// docs/semantics.md §5 + §9: MoA with query padding, kdim cross-attention, cv-loss, and the bias
 // ------------------------------------------------------------------------------------------------
 
-/// naive_moa_route() of naive.hpp, which takes section 9's query padding (kept under this name
+/// naive_moa_route() of naive.hpp, which takes §9's query padding (kept under this name
 /// for the family tests).
 inline MoARoute naive_moa_route_padded(const Mat& logits, int k, bool topk_softmax,
                                        const std::vector<bool>& query_pad) {
@@ -451,11 +454,11 @@ struct MoAFamilyResult {
   MoARoute route;  // logits, probs, gates, selected, counts, switch/z/cv losses
 };
 
-/// SEMANTICS 5 + 6 + 9: fairseq MoA with `w` (Wk, Wv [d, D_kv]: D_kv = D for self-attention,
-/// the memory's width for cross-attention), routing on x with in.query_padding, keys/values from
-/// in.kv_input() computed once, per selected (token, expert): q_e = x W_q^e, attention with
-/// causal, key padding and in.bias (head dimension 1), y = sum w_e o_e W_o^e; padded queries
-/// output 0.
+/// docs/semantics.md §5 + §6 + §9: fairseq MoA with `w` (Wk, Wv [d, D_kv]: D_kv = D for
+/// self-attention, the memory's width for cross-attention), routing on x with in.query_padding,
+/// keys/values from in.kv_input() computed once, per selected (token, expert): q_e = x W_q^e,
+/// attention with causal, key padding and in.bias (head dimension 1), y = sum w_e o_e W_o^e; padded
+/// queries output 0.
 inline MoAFamilyResult naive_moa_family(const MoAWeights& w, const FamilyInput& in) {
   const int B = in.B, T = in.T, S = in.keys(), d = w.d;
   check_bias(in, 1);  // head dimension 1: one bias for every expert and slot
@@ -483,7 +486,7 @@ inline MoAFamilyResult naive_moa_family(const MoAWeights& w, const FamilyInput& 
 }
 
 // ------------------------------------------------------------------------------------------------
-// SEMANTICS 9: JetMoE multi-head experts
+// docs/semantics.md §9: JetMoE multi-head experts
 // ------------------------------------------------------------------------------------------------
 
 /// Weights of a jetmoe layer (FIXTURES `jetmoe`).
@@ -496,10 +499,10 @@ struct JetMoEWeights {
   Mat W_kv;                // [2 Hkv d, D] (kv_proj.weight): keys first, then values
   bool rope = true;
   double rope_theta = 10000.0;
-  bool topk_softmax = true;  // JetMoE gates; false = section 5's p_e of the top k (for tests)
+  bool topk_softmax = true;  // JetMoE gates; false = §5's p_e of the top k (for tests)
 };
 
-/// SEMANTICS 9 (JetMoE): l = x W_r^T, top k logits, gates softmax over those k; per slot
+/// docs/semantics.md §9 (JetMoE): l = x W_r^T, top k logits, gates softmax over those k; per slot
 /// q = x W_in^{eT} split into Hkv heads, RoPE (base rope_theta) on every query and key head
 /// (queries at offset + t, keys at offset + s in self-attention, s in cross-attention), query
 /// head j attends with key/value head j (scale 1/sqrt(d), causal, key padding, in.bias with head

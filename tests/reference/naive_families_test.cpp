@@ -1,4 +1,4 @@
-// Tests for reference/naive_families.hpp (the naive references of SEMANTICS.md sections 6-9):
+// Tests for reference/naive_families.hpp (the naive references of docs/semantics.md §6-9):
 // every public golden case in tests/data/families passes the reference, read by the tensor and
 // metadata names of FIXTURES.md (an unknown tensor or metadata key fails the case, and so does a
 // file in the folder that this test does not list); jetmoe_decode's prompt-then-one-token calls,
