@@ -119,8 +119,8 @@ def test_mha_attention_probabilities_match_torch(rng):
 
 
 def test_mha_row_without_visible_key_is_zero_attention(mm, rng):
-    """SEMANTICS 1: a query that sees no key outputs zeros for that head (torch gives NaN); the
-    layer's y is then the output projection's bias plus the other heads."""
+    """docs/semantics.md §1: a query that sees no key outputs zeros for that head (torch gives
+    NaN); the layer's y is then the output projection's bias plus the other heads."""
     B, T, D, H = 1, 4, 16, 2
     module = torch.nn.MultiheadAttention(D, H, batch_first=True).double()
     layer = moh.from_torch(module, dtype="float64")
