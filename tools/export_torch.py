@@ -104,7 +104,7 @@ _LAYER_OPTIONS = {
 }
 _EXPORT_OPTIONS = (("batch", "tokens", "embed_dim", "causal", "padding", "attn_bias", "seed")
                    + tuple(_LAYER_OPTIONS))
-# Layers whose attn_bias has a single head row (SEMANTICS.md section 6).
+# Layers whose attn_bias has a single head row (docs/semantics.md §6).
 _SINGLE_BIAS_HEAD = ("moa", "jetmoe")
 
 

@@ -165,7 +165,7 @@ def _warn_fragile(what, margin):
 
 
 def _mha_outputs(module, inputs, causal, meta):
-    """y of a float64 torch.nn.MultiheadAttention, checked against SEMANTICS.md."""
+    """y of a float64 torch.nn.MultiheadAttention, checked against docs/semantics.md."""
     x, memory = inputs["x"], inputs.get("memory")
     mask, bias = inputs.get("key_padding_mask"), inputs.get("attn_bias")
     kv = x if memory is None else memory
@@ -193,7 +193,7 @@ def _mha_outputs(module, inputs, causal, meta):
         reference = mha_reference(x, module.in_proj_weight, module.in_proj_bias,
                                   module.out_proj.weight, module.out_proj.bias, H, module.head_dim,
                                   causal, mask, memory, bias)
-        # torch gives NaN for a whole row where any head's query sees no key; SEMANTICS.md says
+        # torch gives NaN for a whole row where any head's query sees no key; docs/semantics.md says
         # that head's attention output is zero, which the reference computes.
         blind = (~_visible(B, H, T, S, mask, causal, bias).any(dim=-1)).any(dim=1)  # [B, T]
         y[blind] = reference[blind]
@@ -373,7 +373,7 @@ def _parse_grid(grid, what="grid"):
 
 
 def export_moh_vit(module, x, path, grid, key_padding_mask=None, causal=False, attn_bias=None):
-    """Writes a `moh_vit` case for a moh_modules.MoHViTAttention (SEMANTICS.md section 8).
+    """Writes a `moh_vit` case for a moh_modules.MoHViTAttention (docs/semantics.md §8).
 
     x [B, h w, D] holds the grid (h, w) = grid (a pair or 'HxW') in row-major order; the
     module's pretrain_grid and train_tokens go into the metadata. attn_bias [B|1, H|1, T, T] is
@@ -855,7 +855,7 @@ ROUNDTRIP_CASES = [
                                                          padding="right", seed=17)),
 ]
 
-# The cases of SEMANTICS.md sections 6-9 (--roundtrip --families): qkv_bias / qk_norm, the
+# The cases of docs/semantics.md §6-9 (--roundtrip --families): qkv_bias / qk_norm, the
 # dense MoH variant, cross-attention (memory, kdim, causal with S != T), attn_bias in every
 # layout and layer, moh_vit (own and fine-tuned grids), MoA query padding and jetmoe (GQA / MQA,
 # decoding, T = 1, 17, odd head sizes).

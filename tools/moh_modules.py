@@ -1,4 +1,4 @@
-"""PyTorch reference modules for the layers of moh, written from the project's SEMANTICS.md.
+"""PyTorch reference modules for the layers of moh, written from the project's docs/semantics.md.
 
 Each module keeps its weights under the names the authors' PyTorch code uses, so a trained
 state dict loads with ``load_state_dict`` and ``export_torch.py`` writes it as a ``moh-case/1``
@@ -90,7 +90,7 @@ def attention(q, k, v, causal=False, key_padding_mask=None, attn_bias=None, scal
 
 def mha_reference(x, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias, num_heads,
                   head_dim, causal=False, key_padding_mask=None, memory=None, attn_bias=None):
-    """Dense multi-head attention (SEMANTICS.md section 2) on x [B, T, D] -> [B, T, D].
+    """Dense multi-head attention (docs/semantics.md §2) on x [B, T, D] -> [B, T, D].
 
     Weights as torch.nn.MultiheadAttention stores them: in_proj_weight [3 H d, D] (q, k, v blocks,
     heads in order), out_proj_weight [D, H d]; biases may be None. memory [B, S, D] makes it
@@ -181,7 +181,7 @@ class MoHOutput(NamedTuple):
 
 class _MoHBase(nn.Module):
     """What MoH ViT/DiT attention and MoH-ViT share: qkv [3 H d, D] (bias if qkv_bias),
-    proj [D, H d] (always biased), the router wg / wg_0 / wg_1 (SEMANTICS.md sections 3, 7) and
+    proj [D, H d] (always biased), the router wg / wg_0 / wg_1 (docs/semantics.md §3, §7) and
     the optional q_norm / k_norm LayerNorm(d)."""
 
     def __init__(self, name, embed_dim, num_heads, head_dim, shared_heads, active_routed_heads,
@@ -247,7 +247,7 @@ class _MoHBase(nn.Module):
 
 
 class MoHAttention(_MoHBase):
-    """Mixture-of-Head attention (arXiv 2410.11842), ViT / DiT style (SEMANTICS.md sections 3, 7).
+    """Mixture-of-Head attention (arXiv 2410.11842), ViT / DiT style (docs/semantics.md §3, §7).
 
     Heads 0..S_h-1 are shared (always on), heads S_h..H-1 routed; each token keeps its top K
     routed heads. Router weights (no bias): wg [H-S_h, D] if K > 0, wg_0 [2, D] if S_h > 0 and
@@ -273,7 +273,7 @@ class MoHAttention(_MoHBase):
 
 
 class MoHViTAttention(_MoHBase):
-    """MoH-ViT: TransNeXt's last-stage attention with MoH routing (SEMANTICS.md section 8).
+    """MoH-ViT: TransNeXt's last-stage attention with MoH routing (docs/semantics.md §8).
 
     Tokens are an h x w grid in row-major order. Per head: cosine attention
     s_ij = ((q^_i + e_h) * softplus(tau_h) * ln(N_0)) . k^_j + P_h[i, j] (no 1/sqrt(d)), with
@@ -380,7 +380,7 @@ class MoAQueryProjection(nn.Module):
 
 
 class MoAAttention(nn.Module):
-    """Mixture of Attention heads (arXiv 2210.05144; SEMANTICS.md sections 5, 9).
+    """Mixture of Attention heads (arXiv 2210.05144; docs/semantics.md §5, §9).
 
     E experts, each token uses the top k by p = softmax(x W_g) with gate p_e (not renormalised);
     expert e attends with q_e = x W_q^e over the shared single-head K = m W_k^T, V = m W_v^T
@@ -478,7 +478,7 @@ class _JetMoEExperts(nn.Module):
 
 
 class JetMoEAttention(nn.Module):
-    """The attention of JetMoE (Hugging Face transformers' JetMoeAttention; SEMANTICS.md section 9).
+    """The attention of JetMoE (Hugging Face transformers' JetMoeAttention; docs/semantics.md §9).
 
     [K | V] = x W_kv^T with kv_proj [2 H_kv d, D] (keys first), H_kv heads of size d, no bias.
     Router logits l = x W_r^T; the top k logits (ties: lower index) get gates softmax over those
@@ -543,7 +543,7 @@ class MoHLlamaOutput(NamedTuple):
 
 
 class MoHLlamaAttention(nn.Module):
-    """LLaMA attention with MoH's parameter-free query-norm router (SEMANTICS.md section 4).
+    """LLaMA attention with MoH's parameter-free query-norm router (docs/semantics.md §4).
 
     l_i = ||q_i|| of each routed head (before RoPE), z = l / std(l) (unbiased), p = softmax(z),
     keep the top K; shared heads 0..S_h-1 always on; the gate is 0/1. RoPE (rotate-half) on q, k;
