@@ -567,7 +567,7 @@ struct NextRunLines {
 /// `next` (optional) takes one step per key (a copy in registers while the keys go by).
 /// With kPrefetch, also asks for the panel's columns of row c + ahead (at most row pf_last)
 /// while reading row c, for rows of row_bytes. A compile-time choice, and a fixed number of
-/// lines: with a loop over a row's lines in the loop over keys (even one run 0 times) GCC kept
+/// lines: with a loop over a row's lines in the loop over keys (even one run 0 times) GCC keeps
 /// the 16 accumulators of 2 queries x 8 packets on the stack.
 template <class T, int NQ, int NP, class Src, bool kPrefetch = false>
 void few_query_values_panel(const T* W, Index ldw, const Src* v, Index v_stride, Index nk,
