@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Turns moh_bench's JSON output into markdown tables and a gnuplot chart. Standard library only.
 
-    bench/report.py RESULTS_JSON [--out-dir DIR] [--no-plot]
+    bench/report.py RESULTS_JSON [MORE_JSON ...] [--out-dir DIR] [--no-plot]
 
-Writes DIR/results.md (DIR defaults to the JSON's folder), DIR/moh_vs_active.dat and .gp, runs
+Several JSON files (rounds of one binary, run in turn) pool their repetitions. Writes
+DIR/results.md (DIR defaults to the first JSON's folder), DIR/moh_vs_active.dat and .gp, runs
 gnuplot (when installed) to draw DIR/moh_vs_active.png, and prints the markdown to stdout.
 
 Every number is the median over the repetitions of one benchmark (run the benchmark with
@@ -72,12 +73,15 @@ class Run:
         return len(self.times_ms)
 
 
-def load_runs(path):
-    with open(path) as f:
-        data = json.load(f)
+def load_runs(paths):
+    """Every repetition of every benchmark in the files, pooled by name; the first file's context."""
+    datas = []
+    for path in paths:
+        with open(path) as f:
+            datas.append(json.load(f))
     runs = OrderedDict()
     errors = []
-    for b in data.get("benchmarks", []):
+    for b in (b for data in datas for b in data.get("benchmarks", [])):
         if b.get("run_type", "iteration") != "iteration":
             continue
         if b.get("error_occurred"):
@@ -87,7 +91,7 @@ def load_runs(path):
         runs.setdefault(name, Run(name)).add(b)
     # Repetitions run interleaved in random order (run_suite.sh); report in registration order.
     runs = OrderedDict(sorted(runs.items(), key=lambda item: item[1].order))
-    return data.get("context", {}), runs, errors
+    return datas[0].get("context", {}), runs, errors
 
 
 def cpu_model():
@@ -386,16 +390,16 @@ def write_plot(out_dir, blocks):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("results_json")
+    ap.add_argument("results_json", nargs="+")
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--no-plot", action="store_true", help="write the .gp file, do not run it")
     args = ap.parse_args()
-    out_dir = args.out_dir or os.path.dirname(os.path.abspath(args.results_json))
+    out_dir = args.out_dir or os.path.dirname(os.path.abspath(args.results_json[0]))
     os.makedirs(out_dir, exist_ok=True)
 
     context, runs, errors = load_runs(args.results_json)
     if not runs:
-        sys.exit(f"report.py: no benchmark runs in {args.results_json}")
+        sys.exit(f"report.py: no benchmark runs in {' '.join(args.results_json)}")
     reps = sorted({r.reps for r in runs.values()})
     lines = ["# moh benchmark results", ""]
     lines.append(f"- date: {context.get('date', '?')}; host: {context.get('host_name', '?')}; "
