@@ -149,7 +149,7 @@ def _parser():
     p.add_argument("--out", metavar="FILE", help="case file to write (with --layer)")
     p.add_argument("--parity", metavar="EXE", help="moh_parity executable (with --roundtrip)")
     p.add_argument("--families", action="store_true",
-                   help="with --roundtrip: also the cases of SEMANTICS.md sections 6-9 (moh_vit, "
+                   help="with --roundtrip: also the cases of docs/semantics.md §6-9 (moh_vit, "
                         "jetmoe, qkv_bias, qk_norm, memory, kdim, attn_bias, query padding)")
     p.add_argument("--batch", type=int, metavar="B", help="sequences (default 2)")
     p.add_argument("--tokens", type=int, metavar="T",

@@ -202,7 +202,7 @@ def _mha_outputs(module, inputs, causal, meta):
                         "that see no key")
     error = float((y - reference).abs().max())
     if error > 1e-9 * max(1.0, float(reference.abs().max())):
-        raise CaseError(f"torch.nn.MultiheadAttention and SEMANTICS.md disagree by {error:.3g}")
+        raise CaseError(f"torch.nn.MultiheadAttention and docs/semantics.md §2 disagree by {error:.3g}")
     return {"y": y}
 
 

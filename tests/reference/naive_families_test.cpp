@@ -267,7 +267,7 @@ moh_ref::MoHVitWeights read_moh_vit(Case& c, int* grid_h, int* grid_w) {
   moh_ref::MoHVitWeights w;
   w.moh = read_moh(c);
   const int H = w.moh.attn.H, d = w.moh.attn.d;
-  EXPECT_EQ(H * d, w.moh.attn.D) << "SEMANTICS 8: d = D / H";
+  EXPECT_EQ(H * d, w.moh.attn.D) << "docs/semantics.md §8: d = D / H";
   w.temperature = c.vec("temperature");
   EXPECT_EQ(c.shape("temperature"), (std::vector<std::int64_t>{H, 1, 1}));
   EXPECT_EQ(c.shape("query_embedding"), (std::vector<std::int64_t>{H, 1, d}));
@@ -372,7 +372,7 @@ void run_family_case(const std::string& name) {
            {"switch_loss", {r.route.switch_loss}},
            {"z_loss", {r.route.z_loss}}};
   } else {
-    FAIL() << "layer '" << layer << "' is not one of SEMANTICS 6-9's families";
+    FAIL() << "layer '" << layer << "' is not one of the families of docs/semantics.md §6-9";
   }
   check_expected(c, out);
   for (const std::string& u : c.unused()) ADD_FAILURE() << name << ": unused " << u;

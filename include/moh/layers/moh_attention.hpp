@@ -291,7 +291,7 @@ class MoHAttention : public detail::AttentionLayer<MoHAttention<T>, T, MoHRoutin
     const std::string aggregated =
         "a tensor of TransNeXt's AggregatedAttention (the first three stages of MoH-ViT: pooled "
         "and local keys), which moh does not implement; only the last stage's attention is a "
-        "MoH layer (scores = cosine, SEMANTICS 8)";
+        "MoH layer (scores = cosine, docs/semantics.md §8)";
     for (const char* name : {"sr.weight", "learnable_tokens", "learnable_bias",
                              "relative_pos_bias_local", "q.weight", "kv.weight"})
       out.push_back({name, aggregated});
