@@ -41,7 +41,7 @@ void BM_JetMoE_Prefill(benchmark::State& state) {
 void BM_MHA_Prefill_Causal(benchmark::State& state) {
   const Index B = state.range(0), T = state.range(1), D = state.range(2), H = state.range(3),
               G = state.range(4), d = state.range(5);
-  const moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, d, /*bias=*/false, /*rope=*/true);
+  const moh::MHAConfig cfg = moh_test::mha_config(D, H, G, d, /*bias=*/false, /*rope=*/true);
   const bool causal = state.range(6) != 0;
   moh_bench::time_forward(state, moh::MultiHeadAttention<float>(cfg, /*seed=*/42), B, T, nullptr,
                           causal ? moh_bench::causal_options() : moh::ForwardOptions());
@@ -81,7 +81,7 @@ void BM_MoH_ViT_Prefill(benchmark::State& state, moh::WeightStorage storage) {
 // The dense layer of MoH-ViT's size, with the same weight storage.
 void run_mha_vit_prefill(benchmark::State& state, Index B, Index T, Index D, Index H,
                          moh::WeightStorage storage) {
-  moh::MHAConfig cfg = moh_bench::mha_config(D, H);
+  moh::MHAConfig cfg = moh_test::mha_config(D, H);
   cfg.weight_storage = storage;
   moh_bench::time_forward(state, moh::MultiHeadAttention<float>(cfg, 42), B, T);
   moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, H, D / H, false),
@@ -102,7 +102,7 @@ void BM_MHA_Prefill_Bias(benchmark::State& state, Index B, Index T, Index D, Ind
   moh_bench::fill_uniform(bias.data(), bias.size(), 11);
   moh::ForwardOptions o;
   o.attn_bias = bias;
-  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(moh_bench::mha_config(D, H), 42),
+  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(moh_test::mha_config(D, H), 42),
                           B, T, nullptr, o);
   moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, H, D / H, false),
                                 static_cast<double>(B * T), 1.0);
