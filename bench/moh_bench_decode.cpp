@@ -53,6 +53,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <set>
 #include <string>
@@ -491,6 +492,18 @@ int env_int(const char* name, int lo, int hi, int fallback) {
 constexpr Index kContexts[] = {512, 4096, 16384};
 constexpr Index kDecodePct[] = {50, 75, 100};
 
+using Row = std::vector<std::int64_t>;
+
+/// Registers benchmark `name` running `fn`, with these argument names, in microseconds, one
+/// row of arguments per entry of `rows`.
+template <class Fn>
+void decode_rows(const char* name, Fn fn, const std::vector<std::string>& arg_names,
+                 const std::vector<Row>& rows) {
+  auto* b = benchmark::RegisterBenchmark(name, fn);
+  b->ArgNames(arg_names)->Unit(benchmark::kMicrosecond);
+  for (const Row& r : rows) b->Args(r);
+}
+
 const bool registered = [] {
   auto mha = [](benchmark::State& s) { BM_MHA_Decode(s, false, false); };
   auto mha_llama = [](benchmark::State& s) { BM_MHA_Decode(s, true, false); };
@@ -505,63 +518,44 @@ const bool registered = [] {
   auto moh_llama = [](benchmark::State& s) { BM_MoH_Decode(s, true, false); };
   auto moh_llama_bf16 = [](benchmark::State& s) { BM_MoH_Decode(s, true, true); };
 
-  auto* b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
-  for (Index c : kContexts) b->Args({1, c, 1024, 16, 16});
-  b->Args({8, 4096, 1024, 16, 16});
+  const auto with = [](std::initializer_list<const char*> extra) {  // the decode argument names
+    std::vector<std::string> names = {"batch", "context", "d_model", "heads", "kv_heads"};
+    names.insert(names.end(), extra.begin(), extra.end());
+    return names;
+  };
+  std::vector<Row> rows;
+  for (Index c : kContexts) rows.push_back({1, c, 1024, 16, 16});
+  rows.push_back({8, 4096, 1024, 16, 16});
   // More sequences than kDotRows: still dot products (a decode call's rows stay bit-exact
   // against each sequence alone), where by row count they would have gone to gemm().
-  b->Args({16, 1024, 1024, 16, 16});
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_ragged);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "ragged"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({8, 4096, 1024, 16, 16, 1});
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8});
+  rows.push_back({16, 1024, 1024, 16, 16});
+  decode_rows("BM_MHA_Decode", mha, with({}), rows);
+  decode_rows("BM_MHA_Decode", mha_ragged, with({"ragged"}), {{8, 4096, 1024, 16, 16, 1}});
+  decode_rows("BM_MHA_Decode", mha_llama, with({}), {{1, 4096, 4096, 32, 8}});
   // Time is the calling thread's CPU time, as everywhere here; compare threads by wall_us.
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama_threads);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "threads"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8, 2});
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama_bf16);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "bf16"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8, 1});
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama_kv_bf16);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "bf16", "kv_bf16"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8, 1, 1});
+  decode_rows("BM_MHA_Decode", mha_llama_threads, with({"threads"}), {{1, 4096, 4096, 32, 8, 2}});
+  decode_rows("BM_MHA_Decode", mha_llama_bf16, with({"bf16"}), {{1, 4096, 4096, 32, 8, 1}});
+  decode_rows("BM_MHA_Decode", mha_llama_kv_bf16, with({"bf16", "kv_bf16"}),
+              {{1, 4096, 4096, 32, 8, 1, 1}});
 
-  b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct"})
-      ->Unit(benchmark::kMicrosecond);
+  rows.clear();
   for (Index c : kContexts)
-    for (Index p : kDecodePct) b->Args({1, c, 1024, 16, 16, p});
-  b->Args({8, 4096, 1024, 16, 16, 50});
-  b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh_ragged);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct", "ragged"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({8, 4096, 1024, 16, 16, 50, 1});
-  b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh_llama);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8, 75});
-  b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh_llama_bf16);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct", "bf16"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8, 75, 1});
+    for (Index p : kDecodePct) rows.push_back({1, c, 1024, 16, 16, p});
+  rows.push_back({8, 4096, 1024, 16, 16, 50});
+  decode_rows("BM_MoH_Decode", moh, with({"active_pct"}), rows);
+  decode_rows("BM_MoH_Decode", moh_ragged, with({"active_pct", "ragged"}),
+              {{8, 4096, 1024, 16, 16, 50, 1}});
+  decode_rows("BM_MoH_Decode", moh_llama, with({"active_pct"}), {{1, 4096, 4096, 32, 8, 75}});
+  decode_rows("BM_MoH_Decode", moh_llama_bf16, with({"active_pct", "bf16"}),
+              {{1, 4096, 4096, 32, 8, 75, 1}});
 
-  b = benchmark::RegisterBenchmark("BM_JetMoE_Decode", BM_JetMoE_Decode);
-  b->ArgNames({"batch", "context", "d_model", "kv_heads", "experts", "top_k", "head_dim"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 2048, 16, 8, 2, 128});
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", BM_MHA_Decode_HeadDim);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "head_dim"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 2048, 32, 16, 128});
+  decode_rows("BM_JetMoE_Decode", BM_JetMoE_Decode,
+              {"batch", "context", "d_model", "kv_heads", "experts", "top_k", "head_dim"},
+              {{1, 4096, 2048, 16, 8, 2, 128}});
+  decode_rows("BM_MHA_Decode", BM_MHA_Decode_HeadDim, with({"head_dim"}),
+              {{1, 4096, 2048, 32, 16, 128}});
 
-  b = benchmark::RegisterBenchmark("BM_MHA_Prefill", BM_MHA_Prefill_Llama);
+  auto* b = benchmark::RegisterBenchmark("BM_MHA_Prefill", BM_MHA_Prefill_Llama);
   b->ArgNames({"batch", "tokens", "d_model", "heads", "kv_heads", "causal"})
       ->Args({1, 2048, 4096, 32, 8, 1})
       ->Unit(benchmark::kMillisecond);
