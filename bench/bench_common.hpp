@@ -143,7 +143,7 @@ inline double moa_flops(Index B, Index Tq, Index S, Index D, Index E, Index k, I
          2.0 * N * D * E;
 }
 
-/// JetMoE (multi-head experts, SEMANTICS 9): keys/values 4 N D G d; per token k experts x
+/// JetMoE (multi-head experts, docs/semantics.md §9): keys/values 4 N D G d; per token k experts x
 /// (2 D G d query + 4 pairs G d attention + 2 G d D output); router 2 N D E.
 inline double jetmoe_flops(Index B, Index Tq, Index S, Index D, Index G, Index E, Index k,
                            Index d, bool causal) {

@@ -402,10 +402,8 @@ void BM_MemRead(benchmark::State& state) {
   constexpr Index L = Eigen::internal::packet_traits<float>::size;
   constexpr Index kAcc = 8;
   // The sum reads kStreams equal parts of the buffer side by side, one 64-byte line of each per
-  // step, as a decode step reads several weight rows or key blocks side by side. One stream alone
-  // is not this core's read limit: on the Zen 3 host (standalone, medians of 9, 3 alternating
-  // rounds, session 23) one stream with 8 accumulators read 16.3-17.5 GB/s, 4 parts 16.3-19.2
-  // and 8 parts 17.3-20.3, and the LLaMA3-8B float step itself had read faster than one stream.
+  // step, as a decode step reads several weight rows or key blocks side by side (one stream alone
+  // reads below a core's limit).
   constexpr Index kStreams = 8;
   constexpr Index kLine = std::max<Index>(1, 64 / Index(sizeof(float)) / L);  // packets
   // With threads, each reads its own share of the bytes (the machine's read rate on that many

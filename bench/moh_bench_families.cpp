@@ -1,5 +1,5 @@
-// Prefill benchmarks of the model families of SEMANTICS 6-9, each against the dense layer it
-// should cost no more than (one thread):
+// Prefill benchmarks of the model families of docs/semantics.md §6-9, each against the dense
+// layer it should cost no more than (one thread):
 //
 //   BM_JetMoE_Prefill/batch:1/tokens:2048/d_model:2048/kv_heads:16/experts:8/top_k:2/head_dim:128
 //   BM_MHA_Prefill/batch:1/tokens:2048/d_model:2048/heads:32/kv_heads:16/head_dim:128/causal:1
@@ -10,9 +10,8 @@
 //       MoH-ViT's stage-4 attention (cosine attention with its position bias, 7 x 7 grid, heads
 //       of 32) and plain MHA of the same size. Keys and values stay dense, so at 50 % the FLOP
 //       ratio is 0.77, not 0.5. Both layers store their weights WeightStorage::NativePacked
-//       (49 tokens against 768-wide weights: packing them on every call was 23 % of MHA's time
-//       and 36 % of MoH-ViT's at 50 %, perf); the same two rows with /weights:native appended
-//       store them Native.
+//       (at 49 tokens, packing 768-wide weights on every call is a large share of the call);
+//       the same two rows with /weights:native appended store them Native.
 //   BM_MHA_Prefill/batch:1/tokens:2048/d_model:1024/heads:16/bias:per_head
 //       a [1, H, T, S] additive bias, against BM_MHA_Prefill/batch:1/tokens:2048/d_model:1024/
 //       heads:16 (moh_bench.cpp).

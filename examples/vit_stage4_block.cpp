@@ -1,6 +1,6 @@
 // MoH-ViT stage-4 block: the last stage of MoH-ViT (TransNeXt), whose attention is MoH over
-// cosine attention with a continuous position bias (SEMANTICS 8), written in user code on a 7x7
-// token grid (a 224 x 224 image at stride 32):
+// cosine attention with a continuous position bias (docs/semantics.md §8), written in user code
+// on a 7x7 token grid (a 224 x 224 image at stride 32):
 //
 //   x = x + MoH(LayerNorm(x))                   12 heads of 32: 3 shared + top 6 of 9 routed
 //   x = x + fc2(GELU(fc1(LayerNorm(x))))        hidden = 4 D
