@@ -1,5 +1,6 @@
 // Shared pieces of the moh benchmarks: shapes, the MoH shared/routed split rule, FLOP and byte
-// models, random inputs and the counters every layer benchmark reports.
+// models, random inputs, the counters every layer benchmark reports, and the rotation of decode
+// rows through copies of their layer.
 //
 // Names and argument names are fixed (bench/report.py and results of older versions rely on
 // them): BM_<Layer>_<Prefill|Decode>/<name>:<value>/... as STYLE.md point 8 asks.
@@ -9,10 +10,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "layer_configs.hpp"  // tests/layer_configs.hpp: the config builders tests and bench share
 #include "moh/moh.hpp"
 
 namespace moh_bench {
@@ -40,9 +45,10 @@ inline moh::Tensor3<float> random_activation(Index B, Index T, Index D, std::uin
 //               11; H=16: 90% -> 14), at least 1;
 // shared heads  S = max(1, H/8) for P = 25 (a quarter of the heads cannot also hold H/4 shared
 //               heads plus routed ones), otherwise S = H/4;
-// routed K      K = A - S, chosen per token by the learned router (random seeded weights), or by
-//               the query-norm router for the LLaMA3 decode shape.
-// The active ratio (S + K) / H is exact and reported as the `active_ratio` counter.
+// routed K      K = A - S, chosen per token by the learned router (random seeded weights).
+// The LLaMA3-8B rows do not use this rule: they run MoH-LLaMA3-8B's released split
+// (llama3_moh_config below). The active ratio (S + K) / H is exact and reported as the
+// `active_ratio` counter.
 // ---------------------------------------------------------------------------------------------
 struct HeadSplit {
   Index shared = 0, routed_k = 0, heads = 0;
@@ -60,33 +66,27 @@ inline HeadSplit moh_split(Index heads, Index active_pct) {
   return HeadSplit{shared, active - shared, heads};
 }
 
-/// An MHA config with `head_dim` d (0: D / H), `kv_heads` G (0: H), bias and RoPE as given.
-inline moh::MHAConfig mha_config(Index D, Index H, Index G = 0, Index d = 0, bool bias = true,
-                                 bool rope = false) {
-  moh::MHAConfig c;
-  c.embed_dim = D;
-  c.num_heads = H;
-  c.num_kv_heads = G;
-  c.head_dim = d;
-  c.bias = bias;
-  c.rope = rope;
-  return c;
-}
-
-/// The MoH config of a benchmark: learned router, bias, no RoPE unless told otherwise.
+/// The MoH config of a benchmark with `split` over H heads and G kv heads: learned router, bias,
+/// no RoPE unless told otherwise (the builders are tests/layer_configs.hpp's).
 inline moh::MoHConfig moh_config(Index D, Index H, Index G, const HeadSplit& s,
                                  moh::MoHRouterKind router = moh::MoHRouterKind::Learned,
                                  bool bias = true, bool rope = false) {
-  moh::MoHConfig c;
-  c.embed_dim = D;
-  c.num_heads = H;
-  c.num_kv_heads = G;
-  c.shared_heads = s.shared;
-  c.active_routed_heads = s.routed_k;
-  c.router = router;
-  c.qkv_bias = c.proj_bias = bias;
-  c.rope = rope;
-  return c;
+  return moh_test::moh_config(D, H, s.shared, s.routed_k, router, G, 0, bias, rope);
+}
+
+/// The MoH config of the LLaMA3-8B rows (d_model 4096, 32 heads, 8 kv heads) at active_pct 75:
+/// MoH-LLaMA3-8B as released, MoHConfig::moh_llama3_8b() (heads 0..15 shared, the top 8 of the
+/// 16 routed heads); another LLaMA3-style shape gets the same rule, MoHConfig::moh_llama3().
+/// Other percentages are not what the released model runs: nullopt.
+inline std::optional<moh::MoHConfig> llama3_moh_config(Index D, Index H, Index G, Index pct) {
+  if (pct != 75) return std::nullopt;
+  if (D == 4096 && H == 32 && G == 8) return moh::MoHConfig::moh_llama3_8b();
+  return moh::MoHConfig::moh_llama3(D, H, G);
+}
+
+/// The split a MoH config runs.
+inline HeadSplit split_of(const moh::MoHConfig& c) {
+  return HeadSplit{c.shared_heads, c.active_routed_heads, c.num_heads};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ inline double moa_flops(Index B, Index Tq, Index S, Index D, Index E, Index k, I
          2.0 * N * D * E;
 }
 
-/// JetMoE (multi-head experts, SEMANTICS 9): keys/values 4 N D G d; per token k experts x
+/// JetMoE (multi-head experts, docs/semantics.md §9): keys/values 4 N D G d; per token k experts x
 /// (2 D G d query + 4 pairs G d attention + 2 G d D output); router 2 N D E.
 inline double jetmoe_flops(Index B, Index Tq, Index S, Index D, Index G, Index E, Index k,
                            Index d, bool causal) {
@@ -188,6 +188,43 @@ inline moh::ForwardOptions causal_options() {
   moh::ForwardOptions o;
   o.causal = moh::Causal::On;
   return o;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode rows read from memory as a model does: a model's step reads each of its layers once, so
+// no layer finds its bytes of the step before in the last-level cache. A decode row steps through
+// copies of its layer, weights and KV cache each, as many as it takes for all of them together
+// to exceed kRotationBytes, one copy per step in turn. The copies are equal (same weights, same
+// cached tokens), so every step computes the same thing and a step's byte counts are one copy's.
+// ---------------------------------------------------------------------------------------------
+inline constexpr double kRotationBytes = 256.0 * 1024.0 * 1024.0;
+
+/// How many copies of `bytes` (> 0) exceed `total` together: floor(total / bytes) + 1.
+inline Index copies_to_exceed(double bytes, double total = kRotationBytes) {
+  return static_cast<Index>(std::floor(total / bytes)) + 1;
+}
+
+/// One copy of a decode row's layer and its KV cache.
+template <class Layer>
+struct DecodeCopy {
+  std::unique_ptr<Layer> layer;
+  moh::KvCache<float> cache;
+  double bytes() const {
+    return static_cast<double>(layer->weight_bytes() + cache.bytes());
+  }
+};
+
+/// `first` followed by as many equal copies of it (layer copied, cache cloned) as it takes for
+/// all of them to exceed kRotationBytes.
+template <class Layer>
+std::vector<DecodeCopy<Layer>> rotation_of(DecodeCopy<Layer> first) {
+  const Index n = copies_to_exceed(first.bytes());
+  std::vector<DecodeCopy<Layer>> out;
+  out.reserve(static_cast<std::size_t>(n));
+  for (Index i = 1; i < n; ++i)
+    out.push_back({std::make_unique<Layer>(*first.layer), first.cache.clone()});
+  out.insert(out.begin(), std::move(first));
+  return out;
 }
 
 /// Times layer.forward (self-attention, non-causal unless `opts` says otherwise) on a seeded

@@ -72,7 +72,7 @@ void gemm_args(benchmark::internal::Benchmark* b) {
 // ---------------------------------------------------------------------------------------------
 void run_mha_prefill(benchmark::State& state, Index B, Index T, Index D, Index H,
                      moh::ThreadPool* pool) {
-  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(moh_bench::mha_config(D, H), 42),
+  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(moh_test::mha_config(D, H), 42),
                           B, T, pool);
   const Index d = D / H;
   moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, H, d, false),

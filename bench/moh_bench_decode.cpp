@@ -17,7 +17,8 @@
 //
 // Layer settings: d_model 1024 runs the defaults (bias, no RoPE) and MoH's learned router with
 // shared = H/4; d_model 4096 is the LLaMA3-8B attention layer (32 heads, 8 kv heads, no bias,
-// RoPE) and MoH uses the parameter-free query-norm router of MoH-LLaMA3, shared = H/4. JetMoE-8B's
+// RoPE) and MoH is MoH-LLaMA3-8B as released (MoHConfig::moh_llama3_8b(): the query-norm router,
+// heads 0..15 shared, the top 8 of the 16 routed heads). JetMoE-8B's
 // attention (16 kv heads of 128, 8 experts, top 2, bias, RoPE) runs against the dense layer with
 // its number of active query heads (2 x 16 = 32 heads of 128 over the same 16 kv heads, RoPE, no
 // bias): a JetMoE step computes only its 2 experts. The label
@@ -34,6 +35,11 @@
 // The filled cache is kept between Google Benchmark's calls of the same benchmark (iteration
 // search, repetitions), so the fill runs once per benchmark.
 //
+// Reading from memory: each row steps through equal copies of its layer and filled cache, as many
+// as it takes for all of them to exceed 256 MiB (moh_bench::rotation_of), one copy per step in
+// turn, so that no step finds the bytes of the step before in the last-level cache, as none of a
+// model's layers does. The copies are made once per benchmark, after the fill.
+//
 // Counters: kv_GBps = key/value bytes the step reads / time. For MoH a kv head of a sequence is
 // counted when any of its query heads is active for that sequence's token (measured from the
 // routing of the step itself). total_GBps adds the weight bytes the step touches: all K/V
@@ -41,14 +47,18 @@
 // query-norm router, which needs every query), the biases and the router's weights. step_MB: those
 // bytes per step. wall_us: wall-clock time per step; the `threads:N` rows compare by it (their
 // reported time is the calling thread's CPU time, so that the names carry no /real_time).
+// copies: the layer copies the row steps through; rotation_MiB: their weights and caches
+// together (> 256). The byte counters are one step's, on one copy.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "bench_common.hpp"
 
@@ -75,12 +85,13 @@ void fill_cache(const Layer& layer, moh::KvCache<float>& cache, Index B, Index D
   }
 }
 
-/// A layer, its cache filled to `context`, and the step's input/output, built once per benchmark.
+/// The copies of a layer with its cache filled to `context` (moh_bench::rotation_of), the next one
+/// to step, and the step's input/output, built once per benchmark.
 template <class Layer>
 struct DecodeFixture {
   std::string key;
-  std::unique_ptr<Layer> layer;
-  moh::KvCache<float> cache;
+  std::vector<moh_bench::DecodeCopy<Layer>> copies;
+  std::size_t next = 0;
   moh::Tensor3<float> x, y;  // [B, 1, D]
   double kv_bytes = 0, weight_bytes = 0, kv_heads_read = 0;
   std::string label;
@@ -92,7 +103,7 @@ struct DecodeFixture {
 };
 
 /// A fixture for `key`: the layer with seeded weights, its cache filled to C tokens (room for
-/// C + 1) and the step's input and output. `ragged`: sequence b is then cut back to
+/// C + 1), its copies, and the step's input and output. `ragged`: sequence b is then cut back to
 /// C/2 + b (C/2) / (B - 1) tokens, contexts spread evenly over [C/2, C].
 template <class Layer>
 std::unique_ptr<DecodeFixture<Layer>> make_fixture(
@@ -100,12 +111,14 @@ std::unique_ptr<DecodeFixture<Layer>> make_fixture(
     bool ragged = false, moh::CacheStorage storage = moh::CacheStorage::Native) {
   auto fx = std::make_unique<DecodeFixture<Layer>>();
   fx->key = key;
-  fx->layer = std::make_unique<Layer>(cfg, 42);
-  fx->cache = fx->layer->make_cache(B, C + 1, storage);
-  fill_cache(*fx->layer, fx->cache, B, D, C);
+  moh_bench::DecodeCopy<Layer> first;
+  first.layer = std::make_unique<Layer>(cfg, 42);
+  first.cache = first.layer->make_cache(B, C + 1, storage);
+  fill_cache(*first.layer, first.cache, B, D, C);
   if (ragged)
     for (Index b = 0; b < B; ++b)
       fx->lengths.push_back(C / 2 + b * (C / 2) / std::max<Index>(1, B - 1));
+  fx->copies = moh_bench::rotation_of(std::move(first));
   fx->x = moh_bench::random_activation(B, 1, D, 99);
   fx->y = moh::Tensor3<float>(B, 1, D);
   return fx;
@@ -124,15 +137,15 @@ std::string fixture_key(const benchmark::State& state, int args, bool llama) {
   return key;
 }
 
-/// Back to the fixture's contexts (C, or each sequence's own), keeping the stored keys/values.
-template <class Fixture>
-void roll_back(Fixture& f, Index context) {
-  if (f.lengths.empty()) {
-    f.cache.truncate(context);
+/// `cache` back to the fixture's contexts (C, or each sequence's own in `lengths`), keeping the
+/// stored keys/values.
+void roll_back(moh::KvCache<float>& cache, const std::vector<Index>& lengths, Index context) {
+  if (lengths.empty()) {
+    cache.truncate(context);
     return;
   }
-  for (Index b = 0; b < f.cache.batch(); ++b)
-    f.cache.truncate(b, f.lengths[static_cast<std::size_t>(b)]);
+  for (Index b = 0; b < cache.batch(); ++b)
+    cache.truncate(b, lengths[static_cast<std::size_t>(b)]);
 }
 
 /// The pool of the `threads:N` rows (null: the calling thread alone).
@@ -152,13 +165,17 @@ void run_decode(benchmark::State& state, DecodeFixture<Layer>& f, Index B, Index
   opts.causal = moh::Causal::On;
   opts.workspace = &moh_bench::bench_workspace();
   opts.pool = decode_pool(threads);
-  roll_back(f, C);  // one untimed step sizes the workspace
-  f.layer->forward_cached(xm, moh::TensorMap3<float>(f.y.data(), B, 1, D), f.cache, opts);
+  for (auto& c : f.copies) {  // one untimed step per copy sizes the workspace
+    roll_back(c.cache, f.lengths, C);
+    c.layer->forward_cached(xm, moh::TensorMap3<float>(f.y.data(), B, 1, D), c.cache, opts);
+  }
   double wall = 0;  // seconds: the `threads:N` rows keep their plain names (no /real_time)
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
-    roll_back(f, C);
-    f.layer->forward_cached(xm, moh::TensorMap3<float>(f.y.data(), B, 1, D), f.cache, opts);
+    auto& c = f.copies[f.next];  // the copy least recently stepped
+    f.next = (f.next + 1) % f.copies.size();
+    roll_back(c.cache, f.lengths, C);
+    c.layer->forward_cached(xm, moh::TensorMap3<float>(f.y.data(), B, 1, D), c.cache, opts);
     moh_bench::keep(f.y.data());
     wall += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -174,6 +191,10 @@ void run_decode(benchmark::State& state, DecodeFixture<Layer>& f, Index B, Index
   state.counters["weight_MiB"] = f.weight_bytes / (1024.0 * 1024.0);
   state.counters["kv_heads_read"] = f.kv_heads_read;
   state.counters["threads"] = static_cast<double>(threads);
+  double rotation = 0;
+  for (const auto& c : f.copies) rotation += c.bytes();
+  state.counters["copies"] = static_cast<double>(f.copies.size());
+  state.counters["rotation_MiB"] = rotation / (1024.0 * 1024.0);  // all copies' weights + caches
   state.SetLabel(f.label);
 }
 
@@ -190,7 +211,7 @@ void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16, Index threads
                           (kv_bf16 ? "/kv_bf16" : "");  // the same for any threads
   if (!f || f->key != key) {
     f.reset();  // free the previous benchmark's cache first
-    moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, 0, /*bias=*/!llama, /*rope=*/llama);
+    moh::MHAConfig cfg = moh_test::mha_config(D, H, G, 0, /*bias=*/!llama, /*rope=*/llama);
     if (bf16) cfg.weight_storage = moh::WeightStorage::BFloat16;
     const moh::CacheStorage storage =
         kv_bf16 ? moh::CacheStorage::BFloat16 : moh::CacheStorage::Native;
@@ -216,28 +237,40 @@ void BM_MHA_Decode(benchmark::State& state, bool llama, bool bf16, Index threads
 void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16, bool ragged = false) {
   const Index B = state.range(0), C = state.range(1), D = state.range(2), H = state.range(3),
               G = state.range(4), pct = state.range(5), d = D / H;
-  // The prefill split rule; at the decode P values (50, 75, 100) it gives shared = H/4.
-  const HeadSplit split = moh_bench::moh_split(H, pct);
-  const moh::MoHRouterKind router = llama ? moh::MoHRouterKind::QueryNorm : moh::MoHRouterKind::Learned;
+  // The LLaMA3-8B rows run MoH-LLaMA3-8B's released split; the others the prefill split rule,
+  // which at the decode P values (50, 75, 100) gives shared = H/4.
+  moh::MoHConfig cfg;
+  if (llama) {
+    const std::optional<moh::MoHConfig> released = moh_bench::llama3_moh_config(D, H, G, pct);
+    if (!released) {
+      state.SkipWithError("the LLaMA3 rows run MoH-LLaMA3's released split: active_pct 75");
+      return;
+    }
+    cfg = *released;
+  } else {
+    cfg = moh_bench::moh_config(D, H, G, moh_bench::moh_split(H, pct));
+  }
+  if (bf16) cfg.weight_storage = moh::WeightStorage::BFloat16;
+  const HeadSplit split = moh_bench::split_of(cfg);
+  const moh::MoHRouterKind router = cfg.router;
   auto& f = fixture_slot<moh::MoHAttention<float>>();
   const std::string key =
       fixture_key(state, 6, llama) + (bf16 ? "/bf16" : "") + (ragged ? "/ragged" : "");
   if (!f || f->key != key) {
     f.reset();
-    moh::MoHConfig cfg = moh_bench::moh_config(D, H, G, split, router, !llama, llama);
-    if (bf16) cfg.weight_storage = moh::WeightStorage::BFloat16;
     auto fx = make_fixture<moh::MoHAttention<float>>(key, cfg, B, C, D, ragged);
-    roll_back(*fx, C);
+    moh_bench::DecodeCopy<moh::MoHAttention<float>>& first = fx->copies.front();
+    roll_back(first.cache, fx->lengths, C);
 
     // One untimed step with the routing record: which heads and kv heads the step uses. The input
-    // is the same at every iteration, so the routing is too.
+    // is the same at every iteration and the copies are equal, so the routing is too.
     moh::MoHRouting<float> routing;
     moh::ForwardOptions opts;
     opts.causal = moh::Causal::On;
-    fx->layer->forward_cached(moh::ConstTensorMap3<float>(fx->x.data(), B, 1, D),
-                              moh::TensorMap3<float>(fx->y.data(), B, 1, D), fx->cache, opts,
-                              &routing);
-    roll_back(*fx, C);
+    first.layer->forward_cached(moh::ConstTensorMap3<float>(fx->x.data(), B, 1, D),
+                                moh::TensorMap3<float>(fx->y.data(), B, 1, D), first.cache, opts,
+                                &routing);
+    roll_back(first.cache, fx->lengths, C);
     const Index group = H / G;
     std::set<Index> heads_used;
     Index kv_heads = 0;
@@ -257,7 +290,7 @@ void BM_MoH_Decode(benchmark::State& state, bool llama, bool bf16, bool ragged =
     const double w = static_cast<double>(2 * G * d * D + q_heads * d * D + out_heads * d * D);
     double other = cfg.qkv_bias ? static_cast<double>(2 * G * d + q_heads * d + D) : 0.0;
     if (router == moh::MoHRouterKind::Learned) {
-      const auto& r = fx->layer->router();
+      const auto& r = first.layer->router();
       other += static_cast<double>(r.routed_weight().size() + r.shared_weight().size() +
                                    r.mix_weight().size());
     }
@@ -305,7 +338,7 @@ void BM_MHA_Decode_HeadDim(benchmark::State& state) {
   const std::string key = fixture_key(state, 6, true);
   if (!f || f->key != key) {
     f.reset();
-    const moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, d, /*bias=*/false, /*rope=*/true);
+    const moh::MHAConfig cfg = moh_test::mha_config(D, H, G, d, /*bias=*/false, /*rope=*/true);
     auto fx = make_fixture<moh::MultiHeadAttention<float>>(key, cfg, B, C, D);
     fx->kv_heads_read = static_cast<double>(B * G);
     fx->kv_bytes = 2.0 * B * G * static_cast<double>(C + 1) * d * sizeof(float);
@@ -317,13 +350,13 @@ void BM_MHA_Decode_HeadDim(benchmark::State& state) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// MoH-LLaMA3's prefill: the LLaMA3-8B layer (RoPE, 8 kv heads, no bias), causal, MoH with the
-// query-norm router at 75 % (shared 8, routed 16 of 24) against the dense layer.
+// MoH-LLaMA3's prefill: the LLaMA3-8B layer (RoPE, 8 kv heads, no bias), causal, MoH-LLaMA3-8B
+// as released (16 shared heads, the top 8 of 16 routed, 75 %) against the dense layer.
 // ---------------------------------------------------------------------------------------------
 void BM_MHA_Prefill_Llama(benchmark::State& state) {
   const Index B = state.range(0), T = state.range(1), D = state.range(2), H = state.range(3),
               G = state.range(4);
-  const moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, 0, /*bias=*/false, /*rope=*/true);
+  const moh::MHAConfig cfg = moh_test::mha_config(D, H, G, 0, /*bias=*/false, /*rope=*/true);
   moh_bench::time_forward(state, moh::MultiHeadAttention<float>(cfg, 42), B, T, nullptr,
                           moh_bench::causal_options());
   moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, G, D / H, true),
@@ -334,9 +367,13 @@ void BM_MHA_Prefill_Llama(benchmark::State& state) {
 void BM_MoH_Prefill_Llama(benchmark::State& state) {
   const Index B = state.range(0), T = state.range(1), D = state.range(2), H = state.range(3),
               G = state.range(4), pct = state.range(6);
-  const HeadSplit split = moh_bench::moh_split(H, pct);
-  const moh::MoHConfig cfg = moh_bench::moh_config(D, H, G, split, moh::MoHRouterKind::QueryNorm,
-                                                   /*bias=*/false, /*rope=*/true);
+  const std::optional<moh::MoHConfig> released = moh_bench::llama3_moh_config(D, H, G, pct);
+  if (!released) {
+    state.SkipWithError("the LLaMA3 rows run MoH-LLaMA3's released split: active_pct 75");
+    return;
+  }
+  const moh::MoHConfig& cfg = *released;
+  const HeadSplit split = moh_bench::split_of(cfg);
   moh_bench::time_forward(state, moh::MoHAttention<float>(cfg, 42), B, T, nullptr,
                           moh_bench::causal_options());
   moh_bench::set_layer_counters(
@@ -365,10 +402,8 @@ void BM_MemRead(benchmark::State& state) {
   constexpr Index L = Eigen::internal::packet_traits<float>::size;
   constexpr Index kAcc = 8;
   // The sum reads kStreams equal parts of the buffer side by side, one 64-byte line of each per
-  // step, as a decode step reads several weight rows or key blocks side by side. One stream alone
-  // is not this core's read limit: on the Zen 3 host (standalone, medians of 9, 3 alternating
-  // rounds, session 23) one stream with 8 accumulators read 16.3-17.5 GB/s, 4 parts 16.3-19.2
-  // and 8 parts 17.3-20.3, and the LLaMA3-8B float step itself had read faster than one stream.
+  // step, as a decode step reads several weight rows or key blocks side by side (one stream alone
+  // reads below a core's limit).
   constexpr Index kStreams = 8;
   constexpr Index kLine = std::max<Index>(1, 64 / Index(sizeof(float)) / L);  // packets
   // With threads, each reads its own share of the bytes (the machine's read rate on that many
@@ -455,6 +490,18 @@ int env_int(const char* name, int lo, int hi, int fallback) {
 constexpr Index kContexts[] = {512, 4096, 16384};
 constexpr Index kDecodePct[] = {50, 75, 100};
 
+using Row = std::vector<std::int64_t>;
+
+/// Registers benchmark `name` running `fn`, with these argument names, in microseconds, one
+/// row of arguments per entry of `rows`.
+template <class Fn>
+void decode_rows(const char* name, Fn fn, const std::vector<std::string>& arg_names,
+                 const std::vector<Row>& rows) {
+  auto* b = benchmark::RegisterBenchmark(name, fn);
+  b->ArgNames(arg_names)->Unit(benchmark::kMicrosecond);
+  for (const Row& r : rows) b->Args(r);
+}
+
 const bool registered = [] {
   auto mha = [](benchmark::State& s) { BM_MHA_Decode(s, false, false); };
   auto mha_llama = [](benchmark::State& s) { BM_MHA_Decode(s, true, false); };
@@ -469,63 +516,44 @@ const bool registered = [] {
   auto moh_llama = [](benchmark::State& s) { BM_MoH_Decode(s, true, false); };
   auto moh_llama_bf16 = [](benchmark::State& s) { BM_MoH_Decode(s, true, true); };
 
-  auto* b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
-  for (Index c : kContexts) b->Args({1, c, 1024, 16, 16});
-  b->Args({8, 4096, 1024, 16, 16});
+  const auto with = [](std::initializer_list<const char*> extra) {  // the decode argument names
+    std::vector<std::string> names = {"batch", "context", "d_model", "heads", "kv_heads"};
+    names.insert(names.end(), extra.begin(), extra.end());
+    return names;
+  };
+  std::vector<Row> rows;
+  for (Index c : kContexts) rows.push_back({1, c, 1024, 16, 16});
+  rows.push_back({8, 4096, 1024, 16, 16});
   // More sequences than kDotRows: still dot products (a decode call's rows stay bit-exact
   // against each sequence alone), where by row count they would have gone to gemm().
-  b->Args({16, 1024, 1024, 16, 16});
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_ragged);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "ragged"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({8, 4096, 1024, 16, 16, 1});
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads"})->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8});
+  rows.push_back({16, 1024, 1024, 16, 16});
+  decode_rows("BM_MHA_Decode", mha, with({}), rows);
+  decode_rows("BM_MHA_Decode", mha_ragged, with({"ragged"}), {{8, 4096, 1024, 16, 16, 1}});
+  decode_rows("BM_MHA_Decode", mha_llama, with({}), {{1, 4096, 4096, 32, 8}});
   // Time is the calling thread's CPU time, as everywhere here; compare threads by wall_us.
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama_threads);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "threads"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8, 2});
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama_bf16);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "bf16"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8, 1});
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", mha_llama_kv_bf16);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "bf16", "kv_bf16"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8, 1, 1});
+  decode_rows("BM_MHA_Decode", mha_llama_threads, with({"threads"}), {{1, 4096, 4096, 32, 8, 2}});
+  decode_rows("BM_MHA_Decode", mha_llama_bf16, with({"bf16"}), {{1, 4096, 4096, 32, 8, 1}});
+  decode_rows("BM_MHA_Decode", mha_llama_kv_bf16, with({"bf16", "kv_bf16"}),
+              {{1, 4096, 4096, 32, 8, 1, 1}});
 
-  b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct"})
-      ->Unit(benchmark::kMicrosecond);
+  rows.clear();
   for (Index c : kContexts)
-    for (Index p : kDecodePct) b->Args({1, c, 1024, 16, 16, p});
-  b->Args({8, 4096, 1024, 16, 16, 50});
-  b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh_ragged);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct", "ragged"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({8, 4096, 1024, 16, 16, 50, 1});
-  b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh_llama);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8, 75});
-  b = benchmark::RegisterBenchmark("BM_MoH_Decode", moh_llama_bf16);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "active_pct", "bf16"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 4096, 32, 8, 75, 1});
+    for (Index p : kDecodePct) rows.push_back({1, c, 1024, 16, 16, p});
+  rows.push_back({8, 4096, 1024, 16, 16, 50});
+  decode_rows("BM_MoH_Decode", moh, with({"active_pct"}), rows);
+  decode_rows("BM_MoH_Decode", moh_ragged, with({"active_pct", "ragged"}),
+              {{8, 4096, 1024, 16, 16, 50, 1}});
+  decode_rows("BM_MoH_Decode", moh_llama, with({"active_pct"}), {{1, 4096, 4096, 32, 8, 75}});
+  decode_rows("BM_MoH_Decode", moh_llama_bf16, with({"active_pct", "bf16"}),
+              {{1, 4096, 4096, 32, 8, 75, 1}});
 
-  b = benchmark::RegisterBenchmark("BM_JetMoE_Decode", BM_JetMoE_Decode);
-  b->ArgNames({"batch", "context", "d_model", "kv_heads", "experts", "top_k", "head_dim"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 2048, 16, 8, 2, 128});
-  b = benchmark::RegisterBenchmark("BM_MHA_Decode", BM_MHA_Decode_HeadDim);
-  b->ArgNames({"batch", "context", "d_model", "heads", "kv_heads", "head_dim"})
-      ->Unit(benchmark::kMicrosecond);
-  b->Args({1, 4096, 2048, 32, 16, 128});
+  decode_rows("BM_JetMoE_Decode", BM_JetMoE_Decode,
+              {"batch", "context", "d_model", "kv_heads", "experts", "top_k", "head_dim"},
+              {{1, 4096, 2048, 16, 8, 2, 128}});
+  decode_rows("BM_MHA_Decode", BM_MHA_Decode_HeadDim, with({"head_dim"}),
+              {{1, 4096, 2048, 32, 16, 128}});
 
-  b = benchmark::RegisterBenchmark("BM_MHA_Prefill", BM_MHA_Prefill_Llama);
+  auto* b = benchmark::RegisterBenchmark("BM_MHA_Prefill", BM_MHA_Prefill_Llama);
   b->ArgNames({"batch", "tokens", "d_model", "heads", "kv_heads", "causal"})
       ->Args({1, 2048, 4096, 32, 8, 1})
       ->Unit(benchmark::kMillisecond);

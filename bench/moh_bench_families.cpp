@@ -1,5 +1,5 @@
-// Prefill benchmarks of the model families of SEMANTICS 6-9, each against the dense layer it
-// should cost no more than (one thread):
+// Prefill benchmarks of the model families of docs/semantics.md §6-9, each against the dense
+// layer it should cost no more than (one thread):
 //
 //   BM_JetMoE_Prefill/batch:1/tokens:2048/d_model:2048/kv_heads:16/experts:8/top_k:2/head_dim:128
 //   BM_MHA_Prefill/batch:1/tokens:2048/d_model:2048/heads:32/kv_heads:16/head_dim:128/causal:1
@@ -10,9 +10,8 @@
 //       MoH-ViT's stage-4 attention (cosine attention with its position bias, 7 x 7 grid, heads
 //       of 32) and plain MHA of the same size. Keys and values stay dense, so at 50 % the FLOP
 //       ratio is 0.77, not 0.5. Both layers store their weights WeightStorage::NativePacked
-//       (49 tokens against 768-wide weights: packing them on every call was 23 % of MHA's time
-//       and 36 % of MoH-ViT's at 50 %, perf); the same two rows with /weights:native appended
-//       store them Native.
+//       (at 49 tokens, packing 768-wide weights on every call is a large share of the call);
+//       the same two rows with /weights:native appended store them Native.
 //   BM_MHA_Prefill/batch:1/tokens:2048/d_model:1024/heads:16/bias:per_head
 //       a [1, H, T, S] additive bias, against BM_MHA_Prefill/batch:1/tokens:2048/d_model:1024/
 //       heads:16 (moh_bench.cpp).
@@ -41,7 +40,7 @@ void BM_JetMoE_Prefill(benchmark::State& state) {
 void BM_MHA_Prefill_Causal(benchmark::State& state) {
   const Index B = state.range(0), T = state.range(1), D = state.range(2), H = state.range(3),
               G = state.range(4), d = state.range(5);
-  const moh::MHAConfig cfg = moh_bench::mha_config(D, H, G, d, /*bias=*/false, /*rope=*/true);
+  const moh::MHAConfig cfg = moh_test::mha_config(D, H, G, d, /*bias=*/false, /*rope=*/true);
   const bool causal = state.range(6) != 0;
   moh_bench::time_forward(state, moh::MultiHeadAttention<float>(cfg, /*seed=*/42), B, T, nullptr,
                           causal ? moh_bench::causal_options() : moh::ForwardOptions());
@@ -81,7 +80,7 @@ void BM_MoH_ViT_Prefill(benchmark::State& state, moh::WeightStorage storage) {
 // The dense layer of MoH-ViT's size, with the same weight storage.
 void run_mha_vit_prefill(benchmark::State& state, Index B, Index T, Index D, Index H,
                          moh::WeightStorage storage) {
-  moh::MHAConfig cfg = moh_bench::mha_config(D, H);
+  moh::MHAConfig cfg = moh_test::mha_config(D, H);
   cfg.weight_storage = storage;
   moh_bench::time_forward(state, moh::MultiHeadAttention<float>(cfg, 42), B, T);
   moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, H, D / H, false),
@@ -102,7 +101,7 @@ void BM_MHA_Prefill_Bias(benchmark::State& state, Index B, Index T, Index D, Ind
   moh_bench::fill_uniform(bias.data(), bias.size(), 11);
   moh::ForwardOptions o;
   o.attn_bias = bias;
-  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(moh_bench::mha_config(D, H), 42),
+  moh_bench::time_forward(state, moh::MultiHeadAttention<float>(moh_test::mha_config(D, H), 42),
                           B, T, nullptr, o);
   moh_bench::set_layer_counters(state, moh_bench::mha_flops(B, T, T, D, H, H, D / H, false),
                                 static_cast<double>(B * T), 1.0);

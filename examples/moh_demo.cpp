@@ -12,7 +12,6 @@
 #include <moh/moh.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -20,6 +19,10 @@
 #include <string>
 #include <vector>
 
+#include "timing.hpp"
+
+using example_timing::median;
+using example_timing::milliseconds;
 using moh::Index;
 
 // One line of the table: a layer, bound to the input, that writes y with the given compute mode.
@@ -30,19 +33,6 @@ struct Row {
   std::function<void(moh::Tensor3<float>& y, moh::ComputeMode mode)> forward;
   std::vector<double> sparse_ms = {}, dense_ms = {};
 };
-
-double milliseconds(const std::function<void()>& fn) {
-  const auto start = std::chrono::steady_clock::now();
-  fn();
-  const std::chrono::duration<double, std::milli> elapsed =
-      std::chrono::steady_clock::now() - start;
-  return elapsed.count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 int main() {
   const Index tokens = 197, D = 768, H = 12;

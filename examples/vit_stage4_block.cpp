@@ -1,6 +1,6 @@
 // MoH-ViT stage-4 block: the last stage of MoH-ViT (TransNeXt), whose attention is MoH over
-// cosine attention with a continuous position bias (SEMANTICS 8), written in user code on a 7x7
-// token grid (a 224 x 224 image at stride 32):
+// cosine attention with a continuous position bias (docs/semantics.md §8), written in user code
+// on a 7x7 token grid (a 224 x 224 image at stride 32):
 //
 //   x = x + MoH(LayerNorm(x))                   12 heads of 32: 3 shared + top 6 of 9 routed
 //   x = x + fc2(GELU(fc1(LayerNorm(x))))        hidden = 4 D
@@ -16,7 +16,6 @@
 #include <moh/moh.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -25,6 +24,10 @@
 #include <thread>
 #include <vector>
 
+#include "timing.hpp"
+
+using example_timing::median;
+using example_timing::milliseconds;
 using moh::Index;
 using Matrix = moh::Matrix<float>;  // row-major [rows, cols]
 using Vector = moh::Vector<float>;
@@ -95,20 +98,6 @@ void run_block(const Stage4Block& block, moh::Tensor3<float>& x, const moh::Forw
   moh::linear<float>(s.hidden, block.fc2_weight, block.fc2_bias, s.update, opts.pool,
                      opts.workspace);
   rows += s.update;
-}
-
-// Milliseconds of one call of fn.
-double milliseconds(const std::function<void()>& fn) {
-  const auto start = std::chrono::steady_clock::now();
-  fn();
-  const std::chrono::duration<double, std::milli> elapsed =
-      std::chrono::steady_clock::now() - start;
-  return elapsed.count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 int main() {

@@ -1,5 +1,6 @@
 // The helpers every test shares: error capture and message matching, bit equality, seeded
-// random tensors, comparison measures and tolerances, config builders, and the golden cases.
+// random tensors, comparison measures and tolerances, the config builders (layer_configs.hpp, shared with
+// bench/), and the golden cases.
 // One home for them, so that no test file keeps its own copy.
 #pragma once
 
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "layer_configs.hpp"
 #include "moh/moh.hpp"
 
 namespace moh_test {
@@ -161,46 +163,6 @@ struct Tol<double> {
   static constexpr double rel = 1e-10;
   static constexpr double exact = 1e-12;
 };
-
-// ---- configs ------------------------------------------------------------------------------------
-
-inline moh::MHAConfig mha_config(Index D, Index H, Index kv_heads = 0, Index head_dim = 0,
-                                 bool bias = true, bool rope = false) {
-  moh::MHAConfig c;
-  c.embed_dim = D;
-  c.num_heads = H;
-  c.num_kv_heads = kv_heads;
-  c.head_dim = head_dim;
-  c.bias = bias;
-  c.rope = rope;
-  return c;
-}
-inline moh::MoHConfig moh_config(Index D, Index H, Index shared, Index routed_k,
-                                 moh::MoHRouterKind router = moh::MoHRouterKind::Learned,
-                                 Index kv_heads = 0, Index head_dim = 0, bool bias = true,
-                                 bool rope = false) {
-  moh::MoHConfig c;
-  c.embed_dim = D;
-  c.num_heads = H;
-  c.shared_heads = shared;
-  c.active_routed_heads = routed_k;
-  c.router = router;
-  c.num_kv_heads = kv_heads;
-  c.head_dim = head_dim;
-  c.qkv_bias = c.proj_bias = bias;
-  c.rope = rope;
-  return c;
-}
-inline moh::MoAConfig moa_config(Index D, Index head_dim, Index experts, Index top_k,
-                                 moh::MoAGating gating = moh::MoAGating::Softmax) {
-  moh::MoAConfig c;
-  c.embed_dim = D;
-  c.head_dim = head_dim;
-  c.num_experts = experts;
-  c.top_k = top_k;
-  c.gating = gating;
-  return c;
-}
 
 // ---- golden cases -------------------------------------------------------------------------------
 

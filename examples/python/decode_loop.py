@@ -21,12 +21,11 @@ except ImportError:  # not on PYTHONPATH: look in the repository's build folders
 
 VOCAB, D, LAYERS, PROMPT, NEW = 512, 256, 2, 12, 32
 
-# MoH-LLaMA attention: 8 query heads of 32 over 2 key/value heads (grouped-query), RoPE, no
-# biases; heads 0-1 shared, the parameter-free query-norm router keeps the 2 routed heads with
-# the largest query norms per token: 4 of 8 heads per token.
-config = moh.MoHConfig(embed_dim=D, num_heads=8, num_kv_heads=2, shared_heads=2,
-                       active_routed_heads=2, router="query_norm", rope=True,
-                       qkv_bias=False, proj_bias=False)
+# MoH-LLaMA3 attention (MoHConfig.moh_llama3, the released model's split at a small size): 8
+# query heads of 32 over 2 key/value heads (grouped-query), RoPE, no biases; heads 0-3 shared,
+# the parameter-free query-norm router keeps the 2 of heads 4-7 with the largest query norms per
+# token: 6 of 8 heads per token.
+config = moh.MoHConfig.moh_llama3(D, 8, 2)
 rng = np.random.default_rng(0)
 embed = 0.3 * rng.standard_normal((VOCAB, D), dtype=np.float32)  # also the output head (tied)
 layers = [dict(attn=moh.MoHAttention(config, seed=i),  # seeded stand-ins for a checkpoint
@@ -81,7 +80,7 @@ print(f"prefill: {PROMPT} tokens in {1e3 * prefill_s:.2f} ms; decode: {NEW - 1} 
 for i, counts in enumerate(used):
     tokens = caches[i].length()
     print(f"layer {i}: {counts.sum() / tokens:.1f} of {config.num_heads} heads per token; "
-          f"tokens per head {counts.tolist()} (heads 0-1 shared)")
+          f"tokens per head {counts.tolist()} (heads 0-3 shared)")
 
 # The same sequence in one causal forward, no cache: the same logits at every position.
 sequence = np.concatenate([prompt, generated[:-1]])

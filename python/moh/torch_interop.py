@@ -9,7 +9,8 @@ or split layouts, tensors of modules moh does not implement refused). It knows:
       the authors' MoH-DiT / MoH-ViT MoHAttention    (shared_head, routed_head, qkv, proj, wg*)
     tools/moh_modules.py MoHViTAttention,         -> MoHAttention, scores = cosine
       TransNeXt's last-stage attention with MoH      (temperature, query_embedding, cpb_fc1/2)
-    tools/moh_modules.py MoHLlamaAttention        -> MoHAttention, query-norm router, RoPE, GQA
+    tools/moh_modules.py MoHLlamaAttention,       -> MoHAttention, query-norm router, RoPE, GQA
+      the authors' MoH-LLaMA3 LlamaAttention         (shared_head, routed_head, q/k/v/o_proj)
     tools/moh_modules.py MoAAttention (fairseq)   -> MoAAttention
     tools/moh_modules.py JetMoEAttention,         -> MoAAttention, MoAConfig.jetmoe
       Hugging Face JetMoe attention
@@ -59,6 +60,9 @@ def _kind_of(module, state):
         return "moa"
     if cls == "MoHLlamaAttention":
         return "moh_llama"
+    if "q_proj.weight" in state and "o_proj.weight" in state and (
+            _attr(module, "shared_head", "shared_heads") is not None):
+        return "moh_llama"  # the authors' MoH-LLaMA3 LlamaAttention (shared_head, routed_head)
     if "qkv.weight" in state and (_attr(module, "shared_head", "shared_heads") is not None):
         return "moh"
     raise _core.Error(

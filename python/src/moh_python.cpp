@@ -1135,6 +1135,13 @@ PYBIND11_MODULE(_core, m) {
       .def_static("vit", &moh::MoHConfig::vit, py::arg("embed_dim"), py::arg("num_heads"),
                   py::arg("shared_heads"), py::arg("active_routed_heads"), py::arg("grid_h"),
                   py::arg("grid_w"), "MoH-ViT's last-stage cosine attention for a grid_h x grid_w grid.")
+      .def_static("moh_llama3", &moh::MoHConfig::moh_llama3, py::arg("embed_dim"),
+                  py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("rope_theta") = 500000.0,
+                  "MoH-LLaMA3's attention: query-norm router, RoPE, no bias, num_heads / 2 "
+                  "shared heads and the top num_heads / 4 of the other half per token.")
+      .def_static("moh_llama3_8b", &moh::MoHConfig::moh_llama3_8b,
+                  "MoH-LLaMA3-8B's attention as released: D 4096, 32 heads of 128 over 8 kv "
+                  "heads, RoPE base 500000, heads 0-15 shared, the top 8 of heads 16-31 routed.")
       .def("routed_heads", &moh::MoHConfig::routed_heads)
       .def("active_fraction", &moh::MoHConfig::active_fraction);
   bind_config<moh::MoAConfig>(m, "MoAConfig", "Sizes and settings of a MoAAttention layer.")

@@ -438,6 +438,62 @@ TEST(MoHWeights, TheTensorsListedFollowTheConfig) {
   EXPECT_TRUE(moh_test::BitEqual(y, seeded(x)));
 }
 
+// MoH-LLaMA3-8B as released (SkyworkAI/MoH, modeling_llama.py: shared_head = int(H * 0.5),
+// routed_head = int(H * 0.25)): heads 0..15 always on, the top 8 of the routed heads 16..31.
+TEST(MoHPresets, Llama3_8bIsTheReleasedSplit) {
+  const MoHConfig c = MoHConfig::moh_llama3_8b();
+  EXPECT_NO_THROW(c.validate());
+  EXPECT_EQ(c.embed_dim, 4096);
+  EXPECT_EQ(c.num_heads, 32);
+  EXPECT_EQ(c.num_kv_heads, 8);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.shared_heads, 16);
+  EXPECT_EQ(c.active_routed_heads, 8);
+  EXPECT_EQ(c.routed_heads(), 16);
+  EXPECT_EQ(c.router, MoHRouterKind::QueryNorm);
+  EXPECT_TRUE(c.rope);
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_FALSE(c.proj_bias);
+  EXPECT_EQ(c.active_fraction(), 0.75);
+  // The authors' q_proj [4096, 4096], k_proj and v_proj [1024, 4096], o_proj [4096, 4096].
+  std::string shapes;
+  for (const moh::WeightInfo& w : MoHAttention<float>::weight_infos(c)) {
+    shapes += w.name + "[" + std::to_string(w.shape[0]) + "," + std::to_string(w.shape[1]) + "] ";
+    for (const moh::WeightInfo& p : w.parts)
+      shapes += p.name + "[" + std::to_string(p.shape[0]) + "," + std::to_string(p.shape[1]) + "] ";
+    for (const std::string& a : w.aliases) shapes += "=" + a + " ";
+  }
+  EXPECT_EQ(shapes, "qkv.weight[6144,4096] q_proj.weight[4096,4096] k_proj.weight[1024,4096] "
+                    "v_proj.weight[1024,4096] proj.weight[4096,4096] =o_proj.weight ");
+}
+
+// The same rule at a small size: every token runs heads 0..3 and exactly 2 of heads 4..7, with
+// 0/1 gates, as the reference query-norm router picks them.
+TEST(MoHPresets, Llama3SplitRunsHalfTheHeadsAndAQuarterRouted) {
+  const MoHConfig c = MoHConfig::moh_llama3(32, 8, 2);
+  EXPECT_EQ(c.shared_heads, 4);
+  EXPECT_EQ(c.active_routed_heads, 2);
+  const MoHAttention<double> m(c, 71);
+  const Tensor3<double> x = random_tensor<double>(2, 9, 32, 72);
+  const moh_ref::MoHGates want = reference_gates(m, to_ref(x));
+  MoHRouting<double> routing;
+  moh::ForwardOptions o;
+  o.causal = moh::Causal::On;
+  run(m, x, o, &routing);
+  for (Index n = 0; n < 18; ++n) {
+    for (Index h = 0; h < 4; ++h) EXPECT_EQ(routing.gates(n, h), 1.0) << n << " " << h;
+    Index routed_on = 0;
+    for (Index h = 4; h < 8; ++h) {
+      EXPECT_TRUE(routing.gates(n, h) == 0.0 || routing.gates(n, h) == 1.0);
+      EXPECT_EQ(routing.gates(n, h), want.gates(static_cast<int>(n), static_cast<int>(h)))
+          << n << " " << h;
+      routed_on += routing.gates(n, h) == 1.0;
+    }
+    EXPECT_EQ(routed_on, 2) << n;
+  }
+}
+
 // moh::zero_weights: zero projections and router; a learned router's gates are then uniform.
 TYPED_TEST(MoHTest, ZeroWeightsGiveZeroOutput) {
   using T = TypeParam;

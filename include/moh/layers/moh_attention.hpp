@@ -78,6 +78,35 @@ struct MoHConfig : HeadsConfig {
     return c;
   }
 
+  /// MoH-LLaMA3's attention with H query heads over `num_kv_heads` key/value heads: the
+  /// query-norm router, RoPE with base `rope_theta`, no bias, and the split of the released
+  /// model (SkyworkAI/MoH, MoH-LLaMA3/Inference_code/modeling_llama.py: shared_head =
+  /// int(H * 0.5), routed_head = int(H * 0.25)): heads 0..H/2-1 always on, each token's top
+  /// H/4 of the other H/2 heads on, 0/1 gates. head_dim = embed_dim / num_heads.
+  static MoHConfig moh_llama3(Index embed_dim, Index num_heads, Index num_kv_heads,
+                              double rope_theta = 500000.0) {
+    MoHConfig c;
+    c.embed_dim = embed_dim;
+    c.num_heads = num_heads;
+    c.num_kv_heads = num_kv_heads;
+    c.shared_heads = num_heads / 2;
+    c.active_routed_heads = num_heads / 4;
+    c.router = MoHRouterKind::QueryNorm;
+    c.qkv_bias = c.proj_bias = false;
+    c.rope = true;
+    c.rope_theta = rope_theta;
+    return c;
+  }
+
+  /// MoH-LLaMA3-8B's attention as released (Chat-UniVi/MoH-LLaMA3-8B): D = 4096, 32 query heads
+  /// of 128 over 8 key/value heads, RoPE base 500000, no bias, the query-norm router; heads 0..15
+  /// always on and the top 8 of the 16 routed heads 16..31 per token (75 % of the heads).
+  static MoHConfig moh_llama3_8b() {
+    MoHConfig c = moh_llama3(4096, 32, 8, 500000.0);
+    c.head_dim = 128;
+    return c;
+  }
+
   Index routed_heads() const { return num_heads - shared_heads; }
   /// Fraction of heads each token uses: (S_h + K) / H.
   double active_fraction() const {
