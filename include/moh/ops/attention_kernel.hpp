@@ -18,7 +18,8 @@
 #include <limits>
 #include <type_traits>
 
-#include "moh/ops/gemm.hpp"
+#include "moh/ops/detail/packed_gemm.hpp"
+#include "moh/ops/detail/rows_product.hpp"
 #include "moh/runtime/tuning.hpp"
 #include "moh/runtime/workspace.hpp"
 #include "moh/tensor.hpp"
@@ -155,7 +156,7 @@ constexpr int kTileRows = 4;
 #endif
 
 /// C[rows, cols] (+)= A[rows, depth] B[depth, cols] with the attention tile (small_product in
-/// detail/gemm.hpp); cols a multiple of the packet size.
+/// ops/detail/packed_gemm.hpp); cols a multiple of the packet size.
 template <class T>
 void attention_product(const T* A, Index lda, const T* B, Index ldb, Index rows, Index cols,
                        Index depth, T* C, Index ldc, bool accumulate) {
