@@ -570,6 +570,28 @@ void rows_product_short_rows(const T* A, Index lda, Index n, const Src* W, Index
   in_parts(std::integral_constant<int, 1>{});
 }
 
+/// The kernel that rows_product() runs its rows on.
+enum class RowsRoute {
+  ShortRows,        // rows_product_short_rows(): K <= kShortRow (a head's slice of W_o)
+  LongRows,         // rows_product_long_rows() on A where it lies
+  LongRowsEvenOdd,  // rows_product_long_rows() on A laid out by even_odd_rows(), bfloat16 W
+};
+
+/// The route rows_product() takes for rows of length K of W in Src, into T, with or without an
+/// arena: rows_product() itself asks it, so this is the route that runs. The even/odd loop needs
+/// an arena for A's layout, and exists where even_odd_widening() (float from bfloat16, AVX2 or
+/// AVX-512). The rows of A and W do not enter it (they choose inside rows_product_long_rows()).
+template <class T, class Src>
+inline RowsRoute rows_product_route(Index K, [[maybe_unused]] bool have_arena) {
+  if (K <= kShortRow) return RowsRoute::ShortRows;
+#if defined(EIGEN_VECTORIZE_AVX2)
+  if constexpr (even_odd_widening<T, Src>()) {
+    if (have_arena && even_odd_length(K) > 0) return RowsRoute::LongRowsEvenOdd;
+  }
+#endif
+  return RowsRoute::LongRows;
+}
+
 /// C[n, count] (+)= A[n, K] W[count, K]^T (a decode step's rows, a tile of a decode call's; any n
 /// for a router's few outputs, project_dots()), straight from W's storage (T or bfloat16) without
 /// packing: each weight is read once from memory (a long row, a chunk of long rows, or a step's
@@ -582,11 +604,14 @@ void rows_product_short_rows(const T* A, Index lda, Index n, const Src* W, Index
 template <class T, class Src>
 void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index count, Index K,
                   T* C, Index ldc, bool accumulate, [[maybe_unused]] Arena* arena = nullptr) {
-  if (K > kShortRow) {
+  switch (rows_product_route<T, Src>(K, arena != nullptr)) {
+    case RowsRoute::ShortRows:
+      rows_product_short_rows<T>(A, lda, n, W, ldw, count, K, C, ldc, accumulate);
+      return;
+    case RowsRoute::LongRowsEvenOdd:
 #if defined(EIGEN_VECTORIZE_AVX2)
-    if constexpr (even_odd_widening<T, Src>()) {
-      const Index ldap = even_odd_length(K);
-      if (arena != nullptr && ldap > 0) {
+      if constexpr (even_odd_widening<T, Src>()) {
+        const Index ldap = even_odd_length(K);
         Arena::Scope scope(*arena);
         T* Ap = arena->allocate<T>(n * ldap);
         even_odd_rows(A, lda, n, K, Ap);
@@ -594,12 +619,12 @@ void rows_product(const T* A, Index lda, Index n, const Src* W, Index ldw, Index
                                              ldap);
         return;
       }
-    }
 #endif
-    rows_product_long_rows<T>(A, lda, n, W, ldw, count, K, C, ldc, accumulate);
-    return;
+      break;  // not given where the even/odd loop is not compiled
+    case RowsRoute::LongRows:
+      break;
   }
-  rows_product_short_rows<T>(A, lda, n, W, ldw, count, K, C, ldc, accumulate);
+  rows_product_long_rows<T>(A, lda, n, W, ldw, count, K, C, ldc, accumulate);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
