@@ -23,11 +23,6 @@
 namespace moh {
 namespace detail {
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wignored-attributes"
-#endif
-
 /// Rows of A that multiply() gives to rows_product() against a transposed operand by count (a
 /// decode call gives it all its rows: dot_rows): a decode step of up to 8 sequences reads the
 /// weights in place rather than packing them every step.
@@ -107,10 +102,6 @@ void multiply(const T* A, Index lda, const GemmB<T>& B, T* C, Index ldc, Index M
   }
   gemm<T>(A, lda, B, C, ldc, M, N, K, accumulate, arena);
 }
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 }  // namespace detail
 }  // namespace moh
