@@ -6,8 +6,10 @@
 // and not; the scores of 1-4 queries against one chain per key, bit for bit;
 // the weighted values of 1-4 queries against one chain per element, bit for bit;
 // the same bits with and without a Workspace (reused across sizes); and
-// the size and stride checks (moh::Error).
+// the size and stride checks (moh::Error); and the route attend_route() gives the benchmark rows'
+// heads.
 #include "moh/ops/attention_kernel.hpp"
+#include "moh/ops/detail/few_query.hpp"
 #include "moh/runtime/tuning.hpp"
 
 #include <gtest/gtest.h>
@@ -929,6 +931,37 @@ TEST(AttentionKernel, ChecksSizesPointersAndStrides) {
   moh::attention<float>(q, kv, mask, moh::AttentionOutput<float>{packed.data(), d});
   EXPECT_TRUE(BitEqual(Matrix<float>(wide.leftCols(d)), packed));
   EXPECT_EQ(Matrix<float>(wide.rightCols(d)), Matrix<float>::Zero(n_q, d));
+}
+
+}  // namespace
+
+namespace {
+
+// The route attend_route() gives one head's queries in the benchmark rows (bench/moh_bench.cpp,
+// bench/moh_bench_decode.cpp; float): a decode step's kv-head group of new queries (heads / kv
+// heads of them) reads the cache in place, a prefill call's blocks of tokens take the tiled
+// kernel, and a head size of no whole packets Eigen's products.
+TEST(AttendRoute, BenchmarkRowsTakeTheirKernels) {
+  using moh::detail::AttendRoute;
+  using moh::detail::attend_route;
+  const auto route = [](Index queries, Index d, bool packed = false) {
+    return static_cast<int>(attend_route<float>(queries, d, packed));
+  };
+  const int few = static_cast<int>(AttendRoute::FewQuery);
+  const int tiled = static_cast<int>(AttendRoute::Tiled);
+  EXPECT_EQ(route(1, 64), few) << "BM_MHA_Decode/.../d_model:1024/heads:16/kv_heads:16, and "
+                                  "BM_MoH_Decode's at d_model 1024";
+  EXPECT_EQ(route(4, 128), few) << "BM_MHA_Decode/.../d_model:4096/heads:32/kv_heads:8, and "
+                                   "BM_MoH_Decode's LLaMA3-8B rows";
+  EXPECT_EQ(route(2, 128), few) << "BM_MHA_Decode/.../d_model:2048/heads:32/kv_heads:16/"
+                                   "head_dim:128, and BM_JetMoE_Decode";
+  EXPECT_EQ(route(moh::detail::kPackedQueries - 1, 128), few) << "the most queries it takes";
+  EXPECT_EQ(route(moh::detail::kPackedQueries, 64), tiled);
+  EXPECT_EQ(route(1, 64, true), tiled) << "keys the caller laid out";
+  EXPECT_EQ(route(moh::kQueryBlock, 64), tiled) << "BM_MHA_Prefill, BM_MoH_Prefill, BM_MoA_Prefill";
+  EXPECT_EQ(route(moh::kQueryBlock, 128), tiled) << "the LLaMA3-8B prefill rows";
+  EXPECT_EQ(route(1, 65), static_cast<int>(AttendRoute::Strided));
+  EXPECT_EQ(route(moh::kQueryBlock, 65), static_cast<int>(AttendRoute::Strided));
 }
 
 }  // namespace

@@ -1,9 +1,11 @@
-// Tests for moh/ops/gemm.hpp: the packed GEMM and the few-rows product against a naive double
-// loop, for B given as [K, N] and as the transpose of [N, K], in T and in bfloat16, on strided
-// views, with and without accumulation, over shapes that cross every block edge (MR, NR, KC, MC,
-// NC); the promise that each element is one in-order chain, so a row or a tile computed alone is
-// bitwise the row or tile of the whole product; and the packs coming from the caller's arena
-// (handed back after each call, nothing new once warm).
+// Tests for moh/ops/gemm.hpp and its kernels (ops/detail/packed_gemm.hpp, rows_product.hpp): the
+// packed GEMM and the few-rows product against a naive double loop, for B given as [K, N] and as
+// the transpose of [N, K], in T and in bfloat16, on strided views, with and without accumulation,
+// over shapes that cross every block edge (MR, NR, KC, MC, NC); the promise that each element is
+// one in-order chain, so a row or a tile computed alone is bitwise the row or tile of the whole
+// product; the packs coming from the caller's arena (handed back after each call, nothing new once
+// warm); and the route multiply_route() and rows_product_route() give each product of every
+// benchmark row.
 #include "moh/ops/gemm.hpp"
 
 #include <gtest/gtest.h>
@@ -12,11 +14,17 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "moh/float16.hpp"
+#include "moh/ops/detail/packed_gemm.hpp"
+#include "moh/ops/detail/rows_product.hpp"
+#include "moh/ops/linear.hpp"
 #include "reference/naive_blocks.hpp"
 #include "test_helpers.hpp"
 
@@ -817,6 +825,331 @@ TEST(Gemm, PacksComeFromTheArenaAndLeaveNothingBehind) {
   EXPECT_EQ(held.in_use(), in_use);
   for (Index i = 0; i < 100; ++i) ASSERT_EQ(mine[i], static_cast<float>(i)) << i;
   EXPECT_TRUE(BitEqual(C, D));
+}
+
+}  // namespace
+
+namespace {
+
+// The route of every benchmark row's products (bench/moh_bench.cpp, bench/moh_bench_decode.cpp;
+// compute in float): each product asks multiply_route() with the rows and columns multiply()
+// gets (a projection: each tile of for_each_linear_tile(), linear.hpp), and on the dot-product
+// route rows_product_route() with its depth, as docs/design.md's dispatch tables say. A routed
+// head's or expert's rows are the mean the router gives it (tokens x picks / heads it picks
+// among). A change of a threshold, a tiling or a route's condition moves one of these.
+using moh::detail::ProductRoute;
+using moh::detail::RowsRoute;
+
+// Long bfloat16 rows with an arena: the even/odd loop where it is compiled.
+#if defined(EIGEN_VECTORIZE_AVX2)
+constexpr RowsRoute kBenchLongBf16 = RowsRoute::LongRowsEvenOdd;
+#else
+constexpr RowsRoute kBenchLongBf16 = RowsRoute::LongRows;
+#endif
+
+/// How a benchmark product reaches its kernel.
+enum class BenchVia {
+  Multiply,     // one multiply() call of M rows and N columns (a routed head or expert)
+  Tiles,        // a projection: multiply() per tile of for_each_linear_tile()
+  DecodeTiles,  // the same on a pool of several threads in a decode call (dot_tile() columns)
+  Dots,         // project_dots(): rows_product() without an arena (a router)
+};
+
+/// One product of a benchmark row: C[M, N] = A[M, K] B, B stored [out, in] (`transposed`) or
+/// [in, out], in bfloat16 or not; `dot_rows` as the call's Exec sets it.
+struct BenchProduct {
+  std::string row;      // the benchmark's name
+  const char* product;  // which of the layer's products
+  BenchVia via;
+  Index M, N, K;
+  bool transposed, dot_rows, bf16;
+  ProductRoute route;
+  RowsRoute rows_route;  // on ProductRoute::Rows (and BenchVia::Dots) only
+};
+
+void expect_bench_routes(const std::vector<BenchProduct>& products) {
+  for (const BenchProduct& p : products) {
+    SCOPED_TRACE(testing::Message() << p.row << ": " << p.product);
+    if (p.via == BenchVia::Dots) {
+      EXPECT_EQ(static_cast<int>(moh::detail::rows_product_route<float, float>(p.K, false)),
+                static_cast<int>(p.rows_route));
+      continue;
+    }
+    std::vector<std::array<Index, 2>> calls;  // [M, N] of each multiply() call
+    if (p.via == BenchVia::Multiply)
+      calls.push_back({p.M, p.N});
+    else
+      moh::detail::for_each_linear_tile(
+          p.M, p.N, nullptr,
+          [&](Index, Index rows, Index, Index cols, int) { calls.push_back({rows, cols}); },
+          p.via == BenchVia::DecodeTiles);
+    ASSERT_FALSE(calls.empty());
+    for (const auto& [m, n] : calls) {
+      EXPECT_EQ(static_cast<int>(moh::detail::multiply_route<float>(m, n, p.transposed,
+                                                                    p.dot_rows)),
+                static_cast<int>(p.route))
+          << "M=" << m << " N=" << n;
+    }
+    if (p.route != ProductRoute::Rows) continue;
+    // multiply() hands rows_product() its arena for bfloat16 weights only.
+    const RowsRoute rows = p.bf16 ? moh::detail::rows_product_route<float, std::uint16_t>(p.K, true)
+                                  : moh::detail::rows_product_route<float, float>(p.K, false);
+    EXPECT_EQ(static_cast<int>(rows), static_cast<int>(p.rows_route));
+  }
+}
+
+// Prefill shapes of bench/moh_bench.cpp: (batch, tokens, d_model, heads).
+constexpr Index kBenchPrefillShapes[][4] = {
+    {1, 197, 768, 12}, {8, 256, 512, 8}, {1, 2048, 1024, 16}};
+
+std::string bench_name(const char* name, std::initializer_list<std::pair<const char*, Index>> args,
+                       const char* suffix = "") {
+  std::string s = name;
+  for (const auto& [arg, value] : args) s += "/" + std::string(arg) + ":" + std::to_string(value);
+  return s + suffix;
+}
+
+// MoH's prefill rows: the split rule of bench/bench_common.hpp (moh_split).
+void add_moh_prefill(std::vector<BenchProduct>& out, const std::string& row, Index N, Index D,
+                     Index H, Index pct) {
+  const ProductRoute packed = ProductRoute::Packed;
+  const RowsRoute none = RowsRoute::LongRows;
+  const Index d = D / H;
+  const Index active = std::clamp<Index>((pct * H + 50) / 100, 1, H);
+  const Index shared = std::min(active, pct == 25 ? std::max<Index>(1, H / 8) : H / 4);
+  const Index routed_k = active - shared;
+  out.push_back({row, "keys and values", BenchVia::Tiles, N, 2 * D, D, true, false, false, packed,
+                 none});
+  if (active == H) {  // every head: the dense path
+    out.push_back({row, "queries", BenchVia::Tiles, N, D, D, true, false, false, packed, none});
+    out.push_back({row, "output", BenchVia::Tiles, N, D, D, true, false, false, packed, none});
+    return;
+  }
+  out.push_back({row, "router", BenchVia::Dots, N, H, D, true, false, false, packed,
+                 RowsRoute::LongRows});
+  out.push_back({row, "a shared head's queries", BenchVia::Multiply, N, d, D, true, false, false,
+                 packed, none});
+  const Index routed_rows = N * routed_k / (H - shared);
+  out.push_back({row, "a routed head's queries", BenchVia::Multiply, routed_rows, d, D, true,
+                 false, false, packed, none});
+  out.push_back({row, "a routed head's output", BenchVia::Multiply, routed_rows, 128, d, true,
+                 false, false, packed, none});
+}
+
+TEST(MultiplyRoute, PrefillBenchmarkRowsRunTheirKernels) {
+  const ProductRoute packed = ProductRoute::Packed;
+  const RowsRoute none = RowsRoute::LongRows;
+  std::vector<BenchProduct> p;
+  for (const auto& s : kBenchPrefillShapes) {
+    const Index B = s[0], T = s[1], D = s[2], H = s[3], N = B * T;
+    p.push_back({bench_name("BM_MohGEMM", {{"rows", N}, {"in", D}, {"out", 3 * D}}), "linear",
+                 BenchVia::Tiles, N, 3 * D, D, true, false, false, packed, none});
+    const std::string mha =
+        bench_name("BM_MHA_Prefill", {{"batch", B}, {"tokens", T}, {"d_model", D}, {"heads", H}});
+    p.push_back({mha, "queries", BenchVia::Tiles, N, D, D, true, false, false, packed, none});
+    p.push_back({mha, "keys and values", BenchVia::Tiles, N, 2 * D, D, true, false, false, packed,
+                 none});
+    p.push_back({mha, "output", BenchVia::Tiles, N, D, D, true, false, false, packed, none});
+    for (Index pct : {25, 50, 75, 90, 100})
+      add_moh_prefill(p,
+                      bench_name("BM_MoH_Prefill", {{"batch", B}, {"tokens", T}, {"d_model", D},
+                                                    {"heads", H}, {"active_pct", pct}}),
+                      N, D, H, pct);
+    // MoA: the gate [D, E] and the experts [in, out]; an expert's mean rows N k / E take
+    // small_product() below kUnpackedRows (the ViT shape's 16 and 32 experts).
+    for (Index k : {2, 4})
+      for (Index E : {8, 16, 32}) {
+        const Index d = D / H, rows = N * k / E;
+        const std::string moa =
+            bench_name("BM_MoA_Prefill", {{"batch", B}, {"tokens", T}, {"d_model", D},
+                                          {"experts", E}, {"top_k", k}, {"head_dim", d}});
+        const bool few_tokens = N == 197 && (E == 32 || (E == 16 && k == 2));  // 12 to 24 rows
+        const ProductRoute expert = few_tokens ? ProductRoute::Small : packed;
+        p.push_back({moa, "gate", BenchVia::Multiply, N, E, D, false, false, false, packed, none});
+        p.push_back({moa, "keys and values", BenchVia::Tiles, N, 2 * d, D, true, false, false,
+                     packed, none});
+        p.push_back({moa, "an expert's queries", BenchVia::Multiply, rows, d, D, false, false,
+                     false, expert, none});
+        p.push_back({moa, "an expert's output", BenchVia::Multiply, rows, std::min<Index>(D, 128),
+                     d, false, false, false, expert, none});
+      }
+  }
+  for (Index threads : {1, 2}) {
+    const std::string mha = bench_name("BM_MHA_Prefill_Threads",
+                                       {{"batch", 1}, {"tokens", 2048}, {"d_model", 1024},
+                                        {"heads", 16}, {"threads", threads}},
+                                       "/real_time");
+    p.push_back({mha, "queries", BenchVia::Tiles, 2048, 1024, 1024, true, false, false, packed,
+                 none});
+    p.push_back({mha, "keys and values", BenchVia::Tiles, 2048, 2048, 1024, true, false, false,
+                 packed, none});
+    p.push_back({mha, "output", BenchVia::Tiles, 2048, 1024, 1024, true, false, false, packed,
+                 none});
+    add_moh_prefill(p,
+                    bench_name("BM_MoH_Prefill_Threads",
+                               {{"batch", 1}, {"tokens", 2048}, {"d_model", 1024}, {"heads", 16},
+                                {"active_pct", 50}, {"threads", threads}},
+                               "/real_time"),
+                    2048, 1024, 16, 50);
+  }
+  // The LLaMA3-8B layer (bench/moh_bench_decode.cpp), causal; MoH-LLaMA3-8B as released: the
+  // query-norm router projects every query, heads 0-15 shared, 8 of the 16 routed a token.
+  const std::string mha =
+      "BM_MHA_Prefill/batch:1/tokens:2048/d_model:4096/heads:32/kv_heads:8/causal:1";
+  const std::string moh_row =
+      "BM_MoH_Prefill/batch:1/tokens:2048/d_model:4096/heads:32/kv_heads:8/causal:1/active_pct:75";
+  for (const std::string& row : {mha, moh_row}) {
+    p.push_back({row, "queries", BenchVia::Tiles, 2048, 4096, 4096, true, false, false, packed,
+                 none});
+    p.push_back({row, "keys and values", BenchVia::Tiles, 2048, 2048, 4096, true, false, false,
+                 packed, none});
+  }
+  p.push_back({mha, "output", BenchVia::Tiles, 2048, 4096, 4096, true, false, false, packed, none});
+  p.push_back({moh_row, "a shared head's output", BenchVia::Multiply, 2048, 128, 128, true, false,
+               false, packed, none});
+  p.push_back({moh_row, "a routed head's output", BenchVia::Multiply, 2048 * 8 / 16, 128, 128,
+               true, false, false, packed, none});
+  expect_bench_routes(p);
+}
+
+TEST(MultiplyRoute, DecodeBenchmarkRowsRunTheirKernels) {
+  const ProductRoute rows = ProductRoute::Rows;
+  const RowsRoute lng = RowsRoute::LongRows, shrt = RowsRoute::ShortRows;
+  std::vector<BenchProduct> p;
+  // MHA at d_model 1024 (16 heads of 64): every projection of 1, 8 or 16 sequences (16 rows,
+  // more than kDotRows, still dot products: the decode call's dot_rows).
+  const auto mha_1024 = [&](const std::string& row, Index B) {
+    p.push_back({row, "queries", BenchVia::Tiles, B, 1024, 1024, true, true, false, rows, lng});
+    p.push_back({row, "keys and values", BenchVia::Tiles, B, 2048, 1024, true, true, false, rows,
+                 lng});
+    p.push_back({row, "output", BenchVia::Tiles, B, 1024, 1024, true, true, false, rows, lng});
+  };
+  for (Index c : {512, 4096, 16384})
+    mha_1024(bench_name("BM_MHA_Decode", {{"batch", 1}, {"context", c}, {"d_model", 1024},
+                                          {"heads", 16}, {"kv_heads", 16}}),
+             1);
+  mha_1024("BM_MHA_Decode/batch:8/context:4096/d_model:1024/heads:16/kv_heads:16", 8);
+  mha_1024("BM_MHA_Decode/batch:16/context:1024/d_model:1024/heads:16/kv_heads:16", 16);
+  EXPECT_EQ(static_cast<int>(moh::detail::multiply_route<float>(16, 1024, true, false)),
+            static_cast<int>(ProductRoute::Packed))
+      << "16 rows of a prefill call go to gemm(): the batch:16 row is on rows_product() by "
+         "dot_rows alone";
+  mha_1024("BM_MHA_Decode/batch:8/context:4096/d_model:1024/heads:16/kv_heads:16/ragged:1", 8);
+  // The LLaMA3-8B layer: 32 heads of 128 over 8 kv heads, in float, on two threads, and with
+  // bfloat16 weights (and a bfloat16 cache, which no product reads).
+  const std::string llama = "BM_MHA_Decode/batch:1/context:4096/d_model:4096/heads:32/kv_heads:8";
+  struct LlamaRow {
+    const char* suffix;
+    BenchVia via;
+    bool bf16;
+  };
+  for (const LlamaRow& r : {LlamaRow{"", BenchVia::Tiles, false},
+                            LlamaRow{"/threads:2", BenchVia::DecodeTiles, false},
+                            LlamaRow{"/bf16:1", BenchVia::Tiles, true},
+                            LlamaRow{"/bf16:1/kv_bf16:1", BenchVia::Tiles, true}}) {
+    const RowsRoute long_rows = r.bf16 ? kBenchLongBf16 : lng;
+    const std::string row = llama + r.suffix;
+    p.push_back({row, "queries", r.via, 1, 4096, 4096, true, true, r.bf16, rows, long_rows});
+    p.push_back({row, "keys and values", r.via, 1, 2048, 4096, true, true, r.bf16, rows,
+                 long_rows});
+    p.push_back({row, "output", r.via, 1, 4096, 4096, true, true, r.bf16, rows, long_rows});
+  }
+  // MoH at d_model 1024: the learned router, each active head's query row and its slice of W_o
+  // (depth 64: short rows); every head active (100) is the dense path.
+  const auto moh_1024 = [&](const std::string& row, Index B, Index pct) {
+    p.push_back({row, "keys and values", BenchVia::Tiles, B, 2048, 1024, true, true, false, rows,
+                 lng});
+    if (pct == 100) {
+      p.push_back({row, "queries", BenchVia::Tiles, B, 1024, 1024, true, true, false, rows, lng});
+      p.push_back({row, "output", BenchVia::Tiles, B, 1024, 1024, true, true, false, rows, lng});
+      return;
+    }
+    p.push_back({row, "router", BenchVia::Dots, B, 12, 1024, true, true, false, rows, lng});
+    p.push_back({row, "a head's queries", BenchVia::Multiply, B, 64, 1024, true, true, false, rows,
+                 lng});
+    p.push_back({row, "a head's output", BenchVia::Multiply, B, 1024, 64, true, true, false, rows,
+                 shrt});
+  };
+  for (Index c : {512, 4096, 16384})
+    for (Index pct : {50, 75, 100})
+      moh_1024(bench_name("BM_MoH_Decode", {{"batch", 1}, {"context", c}, {"d_model", 1024},
+                                            {"heads", 16}, {"kv_heads", 16}, {"active_pct", pct}}),
+               1, pct);
+  moh_1024("BM_MoH_Decode/batch:8/context:4096/d_model:1024/heads:16/kv_heads:16/active_pct:50", 8,
+           50);
+  moh_1024(
+      "BM_MoH_Decode/batch:8/context:4096/d_model:1024/heads:16/kv_heads:16/active_pct:50/ragged:1",
+      8, 50);
+  // MoH-LLaMA3-8B: the query-norm router projects every query; a head's W_o slice is 128 deep.
+  const std::string moh_llama =
+      "BM_MoH_Decode/batch:1/context:4096/d_model:4096/heads:32/kv_heads:8/active_pct:75";
+  for (const bool bf16 : {false, true}) {
+    const RowsRoute long_rows = bf16 ? kBenchLongBf16 : lng;
+    const std::string suffix = bf16 ? "/bf16:1" : "";
+    p.push_back({moh_llama + suffix, "queries", BenchVia::Tiles, 1, 4096, 4096, true, true, bf16,
+                 rows, long_rows});
+    p.push_back({moh_llama + suffix, "keys and values", BenchVia::Tiles, 1, 2048, 4096, true, true,
+                 bf16, rows, long_rows});
+    p.push_back({moh_llama + suffix, "a head's output", BenchVia::Multiply, 1, 4096, 128, true,
+                 true, bf16, rows, shrt});
+  }
+  // JetMoE: keys and values [out, in]; the gate [D, E] and the experts [in, out]. The gate's 8
+  // columns are whole packets with AVX2 (few_rows_product()), not with AVX-512 (gemm()).
+  const std::string jetmoe = "BM_JetMoE_Decode/batch:1/context:4096/d_model:2048/kv_heads:16/"
+                             "experts:8/top_k:2/head_dim:128";
+  const ProductRoute gate =
+      8 % GemmShape<float>::L == 0 ? ProductRoute::FewRows : ProductRoute::Packed;
+  p.push_back({jetmoe, "gate", BenchVia::Multiply, 1, 8, 2048, false, true, false, gate, lng});
+  p.push_back({jetmoe, "keys and values", BenchVia::Tiles, 1, 4096, 2048, true, true, false, rows,
+               lng});
+  p.push_back({jetmoe, "an expert's queries", BenchVia::Multiply, 1, 2048, 2048, false, true, false,
+               ProductRoute::FewRows, lng});
+  p.push_back({jetmoe, "an expert's output", BenchVia::Multiply, 1, 128, 2048, false, true, false,
+               ProductRoute::FewRows, lng});
+  const std::string jet_dense =
+      "BM_MHA_Decode/batch:1/context:4096/d_model:2048/heads:32/kv_heads:16/head_dim:128";
+  p.push_back({jet_dense, "queries", BenchVia::Tiles, 1, 4096, 2048, true, true, false, rows, lng});
+  p.push_back({jet_dense, "keys and values", BenchVia::Tiles, 1, 4096, 2048, true, true, false,
+               rows, lng});
+  p.push_back({jet_dense, "output", BenchVia::Tiles, 1, 2048, 4096, true, true, false, rows, lng});
+  expect_bench_routes(p);
+}
+
+// The boundaries the benchmark rows sit on either side of, in both route functions.
+TEST(MultiplyRoute, ThresholdsSitWhereTheDispatchTablesSay) {
+  using moh::detail::multiply_route;
+  constexpr Index L = GemmShape<float>::L;
+  const auto is = [](ProductRoute got, ProductRoute want) {
+    return static_cast<int>(got) == static_cast<int>(want);
+  };
+  EXPECT_TRUE(is(multiply_route<float>(moh::detail::kDotRows, 7, true, false), ProductRoute::Rows));
+  EXPECT_TRUE(is(multiply_route<float>(moh::detail::kDotRows + 1, 7, true, false),
+                 ProductRoute::Packed));
+  EXPECT_TRUE(is(multiply_route<float>(1000, 7, true, true), ProductRoute::Rows));
+  EXPECT_TRUE(is(multiply_route<float>(moh::detail::kFewRows, 2 * L, false, false),
+                 ProductRoute::FewRows));
+  EXPECT_TRUE(is(multiply_route<float>(moh::detail::kFewRows + 1, 2 * L, false, true),
+                 ProductRoute::Small));
+  EXPECT_TRUE(is(multiply_route<float>(moh::detail::kUnpackedRows - 1, 2 * L, false, false),
+                 ProductRoute::Small));
+  EXPECT_TRUE(is(multiply_route<float>(moh::detail::kUnpackedRows, 2 * L, false, false),
+                 ProductRoute::Packed));
+  EXPECT_TRUE(is(multiply_route<float>(1, 2 * L + 1, false, false), ProductRoute::Packed));
+  const auto rows_is = [](RowsRoute got, RowsRoute want) {
+    return static_cast<int>(got) == static_cast<int>(want);
+  };
+  using moh::detail::kShortRow;
+  using moh::detail::rows_product_route;
+  EXPECT_TRUE(rows_is(rows_product_route<float, float>(kShortRow, true), RowsRoute::ShortRows));
+  EXPECT_TRUE(rows_is(rows_product_route<float, float>(kShortRow + 1, true), RowsRoute::LongRows));
+  EXPECT_TRUE(rows_is(rows_product_route<float, std::uint16_t>(kShortRow, true),
+                      RowsRoute::ShortRows));
+  EXPECT_TRUE(rows_is(rows_product_route<float, std::uint16_t>(kShortRow + 1, false),
+                      RowsRoute::LongRows));
+  EXPECT_TRUE(rows_is(rows_product_route<float, std::uint16_t>(kShortRow + 1, true),
+                      kBenchLongBf16));
+  EXPECT_TRUE(rows_is(rows_product_route<double, std::uint16_t>(kShortRow + 1, true),
+                      RowsRoute::LongRows));
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moh/ops/attention_kernel.hpp"
+#include "moh/ops/detail/few_query.hpp"
 #include "moh/ops/linear.hpp"
 #include "moh/runtime/thread_pool.hpp"
 #include "moh/runtime/workspace.hpp"

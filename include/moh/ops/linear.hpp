@@ -10,6 +10,8 @@
 
 #include <algorithm>
 
+#include "moh/ops/detail/packed_gemm.hpp"
+#include "moh/ops/detail/rows_product.hpp"
 #include "moh/ops/gemm.hpp"
 #include "moh/runtime/thread_pool.hpp"
 #include "moh/runtime/workspace.hpp"

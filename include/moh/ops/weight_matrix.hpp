@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "moh/float16.hpp"
-#include "moh/ops/gemm.hpp"
+#include "moh/ops/detail/packed_gemm.hpp"
 #include "moh/ops/linear.hpp"
 #include "moh/ops/weight_storage.hpp"
 #include "moh/runtime/large_buffer.hpp"

@@ -14,9 +14,9 @@
 #define MOH_DETAIL_UNROLL_REGISTERS
 #endif
 // Put MOH_DETAIL_INLINE_LAMBDA after the parameters of a kernel's step handed to a helper as a
-// lambda (for_parts() in gemm.hpp), so that the step is compiled into the helper's loop as a
-// plain loop's body would be: GCC 12 otherwise compiles a step (6 parts of bfloat16 rows) as a
-// function of its own and keeps most of its accumulators on the stack there. Clang takes the
+// lambda (for_parts() in rows_product.hpp), so that the step is compiled into the helper's loop
+// as a plain loop's body would be: GCC 12 otherwise compiles a step (6 parts of bfloat16 rows) as
+// a function of its own and keeps most of its accumulators on the stack there. Clang takes the
 // same attribute; other compilers get nothing.
 #if defined(__GNUC__)
 #define MOH_DETAIL_INLINE_LAMBDA __attribute__((always_inline))
@@ -26,7 +26,8 @@
 // MOH_DETAIL_IN_REGISTER(x) tells GCC and Clang that x, a loaded packet, is in a vector register
 // and may have changed there (an empty asm statement), so that each multiply-add that uses it
 // reads that register rather than the packet's memory again: GCC folds a load into every
-// multiply-add it feeds (rows_product_long() in gemm.hpp). x86 with SSE2 only; elsewhere nothing.
+// multiply-add it feeds (rows_product_long() in rows_product.hpp). x86 with SSE2 only; elsewhere
+// nothing.
 #if defined(__GNUC__) && defined(__SSE2__)
 #define MOH_DETAIL_IN_REGISTER(x) __asm__("" : "+v"(x))
 #else
