@@ -46,7 +46,7 @@ void BM_GEMM(benchmark::State& state) {
       2.0 * N * D * O * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
-// The same product through moh::linear (detail/gemm.hpp), the path every projection of the
+// The same product through moh::linear (ops/gemm.hpp), the path every projection of the
 // layers takes, so that its rate reads against Eigen's in the same run.
 void BM_MohGEMM(benchmark::State& state) {
   const Index N = state.range(0), D = state.range(1), O = state.range(2);
